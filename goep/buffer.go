@@ -1,0 +1,307 @@
+package goep
+
+import (
+	"bytes"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"math"
+	"sync"
+	"unsafe"
+)
+
+// Params are a Buffer's constructor arguments, named as DeepEP's.
+type Params struct {
+	Rank, NumRanks                  int
+	NumNVLBytes, NumRDMABytes       int64
+	LowLatencyMode                  bool
+	ExplicitlyDestroy, EnableShrink bool
+	UseFabric                       bool
+}
+
+type state int
+
+const (
+	created   state = iota // allocated, peers not yet opened
+	available              // synced: every peer's region is addressable
+	destroyed
+)
+
+// UniqueIDBytes is the size of an NVSHMEM unique id (nvshmemx_uniqueid_t).
+const UniqueIDBytes = 128
+
+// Buffer owns one rank's communication memory and its view of its NVLink peers.
+type Buffer struct {
+	mu      sync.Mutex
+	params  Params
+	topo    Topology
+	backend Backend
+	state   state
+
+	local        LocalRegion
+	peers        []Region // by NVLink rank; peers[NVLRank] is local
+	rdma         RDMARegion
+	rootUniqueID []byte
+}
+
+// NewBuffer validates p as DeepEP's Buffer constructor does and allocates the local NVLink-domain
+// region (when NumNVLBytes > 0) and the RDMA region (when NumRDMABytes > 0) through backend.
+func NewBuffer(p Params, backend Backend) (*Buffer, error) {
+	topo, err := NewTopology(p.Rank, p.NumRanks, p.LowLatencyMode)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case p.NumNVLBytes < 0 || p.NumNVLBytes%BufferAlignment != 0:
+		return nil, Argf("num_nvl_bytes = %d: expected a non-negative multiple of %d", p.NumNVLBytes, BufferAlignment)
+	case p.NumRDMABytes < 0 || p.NumRDMABytes%BufferAlignment != 0:
+		return nil, Argf("num_rdma_bytes = %d: expected a non-negative multiple of %d", p.NumRDMABytes, BufferAlignment)
+	case p.NumNVLBytes > math.MaxInt32 && p.NumRDMABytes > 0:
+		return nil, Argf("num_nvl_bytes = %d: expected at most %d when num_rdma_bytes > 0 (internode offsets are 32-bit)", p.NumNVLBytes, math.MaxInt32)
+	case p.NumRDMABytes > math.MaxInt32 && !p.LowLatencyMode:
+		return nil, Argf("num_rdma_bytes = %d: expected at most %d outside low-latency mode", p.NumRDMABytes, math.MaxInt32)
+	case p.NumRDMABytes > 0 && !(p.NumRanks > NumMaxNVLPeers || p.LowLatencyMode):
+		return nil, Argf("num_rdma_bytes = %d: an RDMA buffer needs more than %d ranks or low_latency_mode=True", p.NumRDMABytes, NumMaxNVLPeers)
+	case backend == nil:
+		return nil, errors.New("no backend")
+	}
+	b := &Buffer{params: p, topo: topo, backend: backend, peers: make([]Region, topo.NumNVLRanks)}
+	if p.NumNVLBytes > 0 {
+		if b.local, err = backend.Allocate(p.NumNVLBytes, topo.NumNVLRanks-1); err != nil {
+			return nil, fmt.Errorf("rank %d: allocate %d NVLink-buffer bytes on %s: %w", p.Rank, p.NumNVLBytes, backend.Name(), err)
+		}
+		b.peers[topo.NVLRank] = b.local
+	}
+	if p.NumRDMABytes > 0 {
+		if b.rdma, err = backend.AllocateRDMA(p.NumRDMABytes); err != nil {
+			_ = b.local.Close()
+			return nil, fmt.Errorf("rank %d: allocate %d RDMA-buffer bytes on %s: %w", p.Rank, p.NumRDMABytes, backend.Name(), err)
+		}
+	}
+	return b, nil
+}
+
+// Topology is the rank arithmetic of this buffer.
+func (b *Buffer) Topology() Topology { return b.topo }
+
+// Params are the constructor arguments.
+func (b *Buffer) Params() Params { return b.params }
+
+// Backend is the backend that owns this buffer's memory.
+func (b *Buffer) Backend() Backend { return b.backend }
+
+// LocalDeviceID is the device of this rank's memory (-1 for host memory).
+func (b *Buffer) LocalDeviceID() int { return b.backend.DeviceID() }
+
+// LocalIPCHandle is what every peer needs to open this rank's NVLink-domain region; empty when
+// there is none (num_nvl_bytes = 0).
+func (b *Buffer) LocalIPCHandle() ([]byte, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.state == destroyed {
+		return nil, errDestroyed
+	}
+	if b.local == nil {
+		return nil, nil
+	}
+	return b.localHandle(), nil
+}
+
+func (b *Buffer) localHandle() []byte {
+	return Handle{Backend: b.backend.Name(), Rank: b.topo.Rank, NumRanks: b.topo.NumRanks,
+		Size: b.params.NumNVLBytes, Token: b.local.Token()}.Encode()
+}
+
+// LocalNVSHMEMUniqueID makes a fresh NVSHMEM-style unique id for the root rank to share. The cpu
+// backend has no NVSHMEM: the id only identifies the group until the internode work uses it.
+func (b *Buffer) LocalNVSHMEMUniqueID() ([]byte, error) {
+	id := make([]byte, UniqueIDBytes)
+	if _, err := rand.Read(id); err != nil {
+		return nil, err
+	}
+	return id, nil
+}
+
+var (
+	errDestroyed = errors.New("the buffer was destroyed")
+	errNotSynced = errors.New("the buffer is not synced with its peers yet (Buffer.__init__ calls sync)")
+)
+
+// Sync opens every NVLink peer's region from the all-gathered device ids and handles (a nil
+// handle is one a rank did not provide) and keeps the root unique id. On error, every peer
+// opened so far is closed again and the buffer stays unsynced, so sync may be retried.
+func (b *Buffer) Sync(deviceIDs []int, handles [][]byte, rootUniqueID []byte) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	switch b.state {
+	case destroyed:
+		return fmt.Errorf("sync rank %d: %w", b.topo.Rank, errDestroyed)
+	case available:
+		return fmt.Errorf("sync rank %d: already synced; a buffer syncs once", b.topo.Rank)
+	}
+	if b.local != nil {
+		if err := b.openPeers(deviceIDs, handles); err != nil {
+			b.closePeers()
+			return fmt.Errorf("sync rank %d: %w", b.topo.Rank, err)
+		}
+	}
+	if b.topo.NumRDMARanks > 1 || b.params.LowLatencyMode {
+		if len(rootUniqueID) != UniqueIDBytes {
+			b.closePeers()
+			return Argf("sync rank %d: root_unique_id has %d bytes: expected the %d of get_local_nvshmem_unique_id()", b.topo.Rank, len(rootUniqueID), UniqueIDBytes)
+		}
+		b.rootUniqueID = bytes.Clone(rootUniqueID)
+	}
+	b.state = available
+	return nil
+}
+
+func (b *Buffer) openPeers(deviceIDs []int, handles [][]byte) error {
+	t := b.topo
+	if len(deviceIDs) != t.NumRanks {
+		return Argf("device_ids has %d entries: expected num_ranks = %d", len(deviceIDs), t.NumRanks)
+	}
+	if len(handles) != t.NumRanks {
+		return Argf("ipc_handles has %d entries: expected num_ranks = %d", len(handles), t.NumRanks)
+	}
+	// Check every handle before opening any, so that a wrong list fails without side effects.
+	if own := t.DomainRank(t.NVLRank); handles[own] == nil {
+		return Argf("ipc_handles[%d] is missing: every rank of the NVLink domain must provide its handle", own)
+	} else if !bytes.Equal(handles[own], b.localHandle()) {
+		return Argf("ipc_handles[%d] is not this rank's own handle: the handles belong to another buffer or are out of order", own)
+	}
+	peers := make([]Handle, t.NumNVLRanks)
+	for nvl := range peers {
+		r := t.DomainRank(nvl)
+		if nvl == t.NVLRank {
+			continue
+		}
+		if handles[r] == nil {
+			return Argf("ipc_handles[%d] is missing: every rank of the NVLink domain must provide its handle", r)
+		}
+		h, err := DecodeHandle(handles[r])
+		if err == nil {
+			err = b.checkPeerHandle(r, h)
+		}
+		if err != nil {
+			return Argf("ipc_handles[%d]: %v", r, err)
+		}
+		peers[nvl] = h
+	}
+	for nvl, h := range peers {
+		if nvl == t.NVLRank {
+			continue
+		}
+		region, err := b.backend.Open(h.Token, h.Size)
+		if err != nil {
+			return fmt.Errorf("open peer %d's buffer: %w", t.DomainRank(nvl), err)
+		}
+		b.peers[nvl] = region
+	}
+	return nil
+}
+
+func (b *Buffer) checkPeerHandle(r int, h Handle) error {
+	switch {
+	case h.Backend != b.backend.Name():
+		return fmt.Errorf("made by the %s backend: expected %s (all ranks must use the same device type)", h.Backend, b.backend.Name())
+	case h.Rank != r || h.NumRanks != b.topo.NumRanks:
+		return fmt.Errorf("made by rank %d of %d: expected rank %d of %d (a handle of another buffer or group)", h.Rank, h.NumRanks, r, b.topo.NumRanks)
+	case h.Size != b.params.NumNVLBytes:
+		return fmt.Errorf("peer buffer has %d bytes: expected num_nvl_bytes = %d on every rank", h.Size, b.params.NumNVLBytes)
+	}
+	return nil
+}
+
+// closePeers unmaps every peer region, keeping the local one.
+func (b *Buffer) closePeers() {
+	for i, p := range b.peers {
+		if p != nil && i != b.topo.NVLRank {
+			_ = p.Close()
+			b.peers[i] = nil
+		}
+	}
+}
+
+// IsAvailable reports whether the buffer is synced and not destroyed.
+func (b *Buffer) IsAvailable() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.state == available
+}
+
+// Destroy releases the peers' mappings, then this rank's own memory. Idempotent: a second call
+// returns nil.
+//
+// No barrier with peers is needed before freeing: a peer's mapping of this rank's region keeps
+// the memory alive until that peer unmaps it.
+func (b *Buffer) Destroy() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.state == destroyed {
+		return nil
+	}
+	b.state = destroyed
+	b.closePeers()
+	var errs []error
+	if b.local != nil {
+		errs = append(errs, b.local.Close())
+		b.peers[b.topo.NVLRank] = nil
+	}
+	if b.rdma != nil {
+		errs = append(errs, b.rdma.Close())
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("destroy rank %d: %w", b.topo.Rank, err)
+	}
+	return nil
+}
+
+// LocalData returns this rank's NVLink (or RDMA) data region and its size, for tensors over it.
+func (b *Buffer) LocalData(rdma bool) (unsafe.Pointer, int64, error) {
+	return b.PeerData(b.topo.NVLRank, rdma)
+}
+
+// PeerData returns NVLink peer nvlRank's data region as mapped here (RDMA: only the local one).
+func (b *Buffer) PeerData(nvlRank int, rdma bool) (unsafe.Pointer, int64, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.state == destroyed {
+		return nil, 0, errDestroyed
+	}
+	if rdma {
+		if nvlRank != b.topo.NVLRank {
+			return nil, 0, errors.New("use_rdma_buffer: only the local RDMA buffer is addressable")
+		}
+		if b.rdma == nil {
+			return nil, 0, errors.New("use_rdma_buffer=True: this buffer has no RDMA buffer (num_rdma_bytes = 0)")
+		}
+		return b.rdma.Data(), b.params.NumRDMABytes, nil
+	}
+	if nvlRank < 0 || nvlRank >= b.topo.NumNVLRanks {
+		return nil, 0, Argf("nvl_rank = %d: expected 0 <= nvl_rank < %d", nvlRank, b.topo.NumNVLRanks)
+	}
+	if b.local == nil {
+		return nil, 0, errors.New("this buffer has no NVLink buffer (num_nvl_bytes = 0)")
+	}
+	if nvlRank != b.topo.NVLRank && b.state != available {
+		return nil, 0, errNotSynced
+	}
+	return b.peers[nvlRank].Data(), b.params.NumNVLBytes, nil
+}
+
+// Peers returns every NVLink peer's region (index = NVLink rank) of a synced buffer; operations
+// hold the returned slice only for the duration of one call.
+func (b *Buffer) Peers() ([]Region, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	switch {
+	case b.state == destroyed:
+		return nil, errDestroyed
+	case b.state != available:
+		return nil, errNotSynced
+	case b.local == nil:
+		return nil, errors.New("this buffer has no NVLink buffer: pass num_nvl_bytes > 0 (see Config.get_nvl_buffer_size_hint)")
+	}
+	return b.peers, nil
+}

@@ -1,0 +1,18 @@
+// Package cuda is pyep's layer over the CUDA driver API: libcuda.so.1 is opened with dlopen on
+// first use (Open), so that building pyep needs no CUDA toolkit and a process that only uses
+// the cpu backend never loads a driver.
+//
+// The API is typed (Device, Context, Stream, Event, Module, Function, DevicePtr, IpcMemHandle;
+// errors wrap a Result), and all of it goes through the Driver interface, which
+// goep/cuda/fake implements over host memory so that code above this layer is tested without a
+// GPU.
+//
+// Contexts: pyep works in each device's primary context, the one the CUDA runtime and thus
+// PyTorch use, so that PyTorch's tensors and streams are valid in our calls. The current
+// context is per OS thread, so every entry from Go locks its goroutine to the thread and makes
+// the context current first:
+//
+//	runtime.LockOSThread()
+//	defer runtime.UnlockOSThread()
+//	if err := ctx.MakeCurrent(); err != nil { ... }
+package cuda

@@ -1,0 +1,354 @@
+package fake_test
+
+import (
+	"encoding/binary"
+	"errors"
+	"math"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pyep/pyep/goep/cuda"
+	"github.com/pyep/pyep/goep/cuda/fake"
+)
+
+// process is one fake rank with its device's primary context current.
+func process(t *testing.T, w *fake.World, ordinal int) (*fake.Driver, cuda.Context) {
+	t.Helper()
+	d := fake.New(fake.Config{World: w, Devices: 8})
+	dev, err := d.DeviceGet(ordinal)
+	require.NoError(t, err)
+	ctx, err := dev.PrimaryContext()
+	require.NoError(t, err)
+	require.NoError(t, ctx.MakeCurrent())
+	return d, ctx
+}
+
+func TestDevices(t *testing.T) {
+	d := fake.New(fake.Config{Devices: 2, SMs: 78, Major: 9, Minor: 0})
+	n, err := d.DeviceCount()
+	require.NoError(t, err)
+	assert.Equal(t, 2, n)
+
+	dev, err := d.DeviceGet(1)
+	require.NoError(t, err)
+	tests := []struct {
+		attr cuda.DeviceAttribute
+		want int
+	}{
+		{cuda.AttrMultiprocessorCount, 78},
+		{cuda.AttrComputeCapabilityMajor, 9},
+		{cuda.AttrComputeCapabilityMinor, 0},
+		{cuda.AttrMaxThreadsPerBlock, 1024},
+	}
+	for _, tt := range tests {
+		got, err := dev.Attribute(tt.attr)
+		require.NoError(t, err)
+		assert.Equal(t, tt.want, got, "attribute %d", tt.attr)
+	}
+	arch, err := dev.Arch()
+	require.NoError(t, err)
+	assert.Equal(t, "sm_90", arch)
+	bus, err := dev.PCIBusID()
+	require.NoError(t, err)
+	assert.Equal(t, "0000:28:00.0", bus)
+
+	other, err := d.DeviceGet(0)
+	require.NoError(t, err)
+	ok, err := dev.CanAccessPeer(other)
+	require.NoError(t, err)
+	assert.True(t, ok)
+
+	_, err = d.DeviceGet(2)
+	assert.ErrorIs(t, err, cuda.ErrorInvalidDevice)
+}
+
+func TestNeedsCurrentContext(t *testing.T) {
+	d := fake.New(fake.Config{})
+	_, err := d.MemAlloc(16)
+	assert.ErrorIs(t, err, cuda.ErrorInvalidContext)
+
+	dev, err := d.DeviceGet(0)
+	require.NoError(t, err)
+	ctx, err := dev.PrimaryContext()
+	require.NoError(t, err)
+	require.NoError(t, ctx.MakeCurrent())
+	cur, err := d.CtxGetCurrent()
+	require.NoError(t, err)
+	assert.Equal(t, ctx, cur)
+	p, err := d.MemAlloc(16)
+	require.NoError(t, err)
+	require.NoError(t, d.MemFree(p))
+
+	require.NoError(t, ctx.Release())
+	assert.ErrorIs(t, ctx.Release(), cuda.ErrorInvalidContext, "released more often than retained")
+}
+
+func TestMemory(t *testing.T) {
+	d, _ := process(t, nil, 0)
+	p, err := d.MemAlloc(1000)
+	require.NoError(t, err)
+	assert.Zero(t, uint64(p)%256, "aligned like cudaMalloc")
+
+	require.NoError(t, d.MemsetD8(p, 0xab, 1000))
+	require.NoError(t, d.MemcpyHtoD(p.Add(10), []byte{1, 2, 3}))
+	out := make([]byte, 6)
+	require.NoError(t, d.MemcpyDtoH(out, p.Add(8)))
+	assert.Equal(t, []byte{0xab, 0xab, 1, 2, 3, 0xab}, out)
+
+	q, err := d.MemAlloc(1000)
+	require.NoError(t, err)
+	s, err := d.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	require.NoError(t, d.MemsetD8Async(q, 7, 1000, s))
+	require.NoError(t, d.MemcpyAsync(q.Add(500), p.Add(10), 3, s))
+	b, err := d.Bytes(q.Add(499), 5)
+	require.NoError(t, err)
+	assert.Equal(t, []byte{7, 1, 2, 3, 7}, b)
+
+	_, err = d.Bytes(p.Add(999), 2)
+	assert.ErrorIs(t, err, cuda.ErrorIllegalAddress, "overrun")
+	assert.ErrorIs(t, d.MemcpyHtoD(p.Add(5000), []byte{1}), cuda.ErrorIllegalAddress)
+
+	size, err := d.PointerGetAttribute(cuda.PointerAttrRangeSize, p.Add(17))
+	require.NoError(t, err)
+	assert.EqualValues(t, 1000, size)
+	start, err := d.PointerGetAttribute(cuda.PointerAttrRangeStartAddr, p.Add(17))
+	require.NoError(t, err)
+	assert.EqualValues(t, p, start)
+
+	free, total, err := d.MemGetInfo()
+	require.NoError(t, err)
+	assert.Equal(t, total-2000, free)
+	_, err = d.MemAlloc(total)
+	assert.ErrorIs(t, err, cuda.ErrorOutOfMemory)
+	_, err = d.MemAlloc(0)
+	assert.ErrorIs(t, err, cuda.ErrorInvalidValue)
+
+	assert.ErrorIs(t, d.MemFree(p.Add(1)), cuda.ErrorInvalidValue, "not the start of an allocation")
+	require.NoError(t, d.MemFree(p))
+	require.NoError(t, d.MemFree(q))
+	require.NoError(t, s.Destroy())
+	assert.Zero(t, d.Live())
+}
+
+func TestHostMappedMemory(t *testing.T) {
+	d, _ := process(t, nil, 0)
+	h, err := d.MemHostAlloc(64, cuda.HostAllocDeviceMap|cuda.HostAllocPortable)
+	require.NoError(t, err)
+	dp, err := d.MemHostGetDevicePointer(h)
+	require.NoError(t, err)
+	require.NoError(t, d.MemsetD8(dp.Add(4), 9, 2))
+	host := unsafe.Slice((*byte)(h), 64)
+	assert.Equal(t, []byte{0, 9, 9, 0}, host[3:7], "the device's writes show on the host")
+	kind, err := d.PointerGetAttribute(cuda.PointerAttrMemoryType, dp)
+	require.NoError(t, err)
+	assert.EqualValues(t, cuda.MemoryTypeHost, kind)
+	require.NoError(t, d.MemFreeHost(h))
+	assert.Zero(t, d.Live())
+}
+
+func TestIPC(t *testing.T) {
+	w := fake.NewWorld()
+	a, _ := process(t, w, 0)
+	b, _ := process(t, w, 1)
+
+	p, err := a.MemAlloc(256)
+	require.NoError(t, err)
+	h, err := a.IpcGetMemHandle(p)
+	require.NoError(t, err)
+	_, err = a.IpcOpenMemHandle(h)
+	assert.ErrorIs(t, err, cuda.ErrorInvalidContext, "a process cannot open its own handle")
+
+	peer, err := b.IpcOpenMemHandle(h)
+	require.NoError(t, err)
+	_, err = b.IpcOpenMemHandle(h)
+	assert.ErrorIs(t, err, cuda.ErrorInvalidValue, "opened twice")
+	require.NoError(t, b.MemsetD8(peer.Add(100), 5, 1))
+	got, err := a.Bytes(p.Add(100), 1)
+	require.NoError(t, err)
+	assert.Equal(t, []byte{5}, got, "both map the same memory")
+
+	// The exporter frees first: the importer's mapping stays valid until it closes it.
+	require.NoError(t, a.MemFree(p))
+	_, err = b.Bytes(peer, 256)
+	assert.NoError(t, err)
+	require.NoError(t, b.IpcCloseMemHandle(peer))
+	assert.ErrorIs(t, b.IpcCloseMemHandle(peer), cuda.ErrorInvalidValue)
+	_, err = b.IpcOpenMemHandle(h)
+	assert.ErrorIs(t, err, cuda.ErrorInvalidValue, "the allocation is gone")
+
+	var garbage cuda.IpcMemHandle
+	_, err = b.IpcOpenMemHandle(garbage)
+	assert.ErrorIs(t, err, cuda.ErrorInvalidValue)
+	assert.Zero(t, a.Live())
+	assert.Zero(t, b.Live())
+}
+
+// axpy stands for a real kernel: y[i] = a*x[i] + y[i] over n float32s.
+func axpy(l *fake.Launch) error {
+	x, y, a, n := l.DevicePtr(0), l.DevicePtr(1), l.Float32(2), int(l.Int32(3))
+	xb, err := l.Mem(x, 4*n)
+	if err != nil {
+		return err
+	}
+	yb, err := l.Mem(y, 4*n)
+	if err != nil {
+		return err
+	}
+	for i := 0; i < n; i++ {
+		xi := math.Float32frombits(binary.LittleEndian.Uint32(xb[4*i:]))
+		yi := math.Float32frombits(binary.LittleEndian.Uint32(yb[4*i:]))
+		binary.LittleEndian.PutUint32(yb[4*i:], math.Float32bits(a*xi+yi))
+	}
+	return nil
+}
+
+func TestLaunch(t *testing.T) {
+	w := fake.NewWorld()
+	w.RegisterKernel("axpy", axpy)
+	d, _ := process(t, w, 0)
+
+	mod, err := d.ModuleLoadData([]byte("\x7fELF..."))
+	require.NoError(t, err)
+	_, err = mod.Function("missing")
+	assert.ErrorIs(t, err, cuda.ErrorNotFound)
+	fn, err := mod.Function("axpy")
+	require.NoError(t, err)
+	assert.Equal(t, "axpy", fn.Name())
+
+	const n = 4
+	x, err := d.MemAlloc(4 * n)
+	require.NoError(t, err)
+	y, err := d.MemAlloc(4 * n)
+	require.NoError(t, err)
+	xs := make([]byte, 4*n)
+	ys := make([]byte, 4*n)
+	for i := 0; i < n; i++ {
+		binary.LittleEndian.PutUint32(xs[4*i:], math.Float32bits(float32(i)))
+		binary.LittleEndian.PutUint32(ys[4*i:], math.Float32bits(1))
+	}
+	require.NoError(t, d.MemcpyHtoD(x, xs))
+	require.NoError(t, d.MemcpyHtoD(y, ys))
+
+	// Parameters in one struct, reused across launches, as the backend will keep them.
+	params := struct {
+		x, y cuda.DevicePtr
+		a    float32
+		n    int32
+	}{x, y, 2, n}
+	stream := cuda.WrapStream(d, 0)
+	args := []unsafe.Pointer{unsafe.Pointer(&params.x), unsafe.Pointer(&params.y), unsafe.Pointer(&params.a), unsafe.Pointer(&params.n)}
+	require.NoError(t, fn.Launch([3]uint32{1, 1, 1}, [3]uint32{32, 1, 1}, 0, stream, args...))
+	require.NoError(t, d.MemcpyDtoH(ys, y))
+	for i := 0; i < n; i++ {
+		assert.Equal(t, float32(2*i+1), math.Float32frombits(binary.LittleEndian.Uint32(ys[4*i:])))
+	}
+
+	bad := []struct {
+		name         string
+		grid, block  [3]uint32
+		shared       uint32
+		stream       cuda.Stream
+		want         error
+		setMaxShared int
+	}{
+		{"empty grid", [3]uint32{0, 1, 1}, [3]uint32{32, 1, 1}, 0, stream, cuda.ErrorInvalidValue, 0},
+		{"block too large", [3]uint32{1, 1, 1}, [3]uint32{1024, 2, 1}, 0, stream, cuda.ErrorInvalidValue, 0},
+		{"shared memory above 48 KiB unannounced", [3]uint32{1, 1, 1}, [3]uint32{32, 1, 1}, 64 << 10, stream, cuda.ErrorInvalidValue, 0},
+		{"shared memory announced", [3]uint32{1, 1, 1}, [3]uint32{32, 1, 1}, 64 << 10, stream, nil, 64 << 10},
+		{"unknown stream", [3]uint32{1, 1, 1}, [3]uint32{32, 1, 1}, 0, cuda.WrapStream(d, 0xdead), cuda.ErrorInvalidHandle, 0},
+	}
+	for _, tt := range bad {
+		t.Run(tt.name, func(t *testing.T) {
+			if tt.setMaxShared != 0 {
+				require.NoError(t, fn.SetAttribute(cuda.FuncAttrMaxDynamicSharedSizeBytes, tt.setMaxShared))
+			}
+			err := fn.Launch(tt.grid, tt.block, tt.shared, tt.stream, args...)
+			if tt.want == nil {
+				assert.NoError(t, err)
+			} else {
+				assert.ErrorIs(t, err, tt.want)
+			}
+		})
+	}
+
+	tooMany := make([]unsafe.Pointer, cuda.MaxKernelArgs+1)
+	assert.ErrorContains(t, fn.Launch([3]uint32{1, 1, 1}, [3]uint32{1, 1, 1}, 0, stream, tooMany...), "at most 64")
+
+	failing := errors.New("boom")
+	w.RegisterKernel("fails", func(*fake.Launch) error { return failing })
+	f2, err := mod.Function("fails")
+	require.NoError(t, err)
+	assert.ErrorIs(t, f2.Launch([3]uint32{1, 1, 1}, [3]uint32{1, 1, 1}, 0, stream), failing)
+
+	assert.Equal(t, 1+len(bad)+1, d.Calls("LaunchKernel"), "every launch but the one Function.Launch refused")
+	require.NoError(t, mod.Unload())
+	require.NoError(t, d.MemFree(x))
+	require.NoError(t, d.MemFree(y))
+	assert.Zero(t, d.Live())
+}
+
+func TestStreamsAndEvents(t *testing.T) {
+	d, _ := process(t, nil, 0)
+	least, greatest, err := d.CtxGetStreamPriorityRange()
+	require.NoError(t, err)
+	s, err := d.StreamCreate(cuda.StreamNonBlocking, greatest)
+	require.NoError(t, err)
+	assert.Less(t, greatest, least+1)
+
+	start, err := d.EventCreate(cuda.EventDefault)
+	require.NoError(t, err)
+	end, err := d.EventCreate(cuda.EventDefault)
+	require.NoError(t, err)
+	untimed, err := d.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+
+	_, err = start.Elapsed(end)
+	assert.ErrorIs(t, err, cuda.ErrorInvalidHandle, "not recorded yet")
+	require.NoError(t, start.Record(s))
+	time.Sleep(2 * time.Millisecond)
+	require.NoError(t, end.Record(s))
+	require.NoError(t, untimed.Record(s))
+	elapsed, err := start.Elapsed(end)
+	require.NoError(t, err)
+	assert.GreaterOrEqual(t, elapsed, 2*time.Millisecond)
+	_, err = start.Elapsed(untimed)
+	assert.ErrorIs(t, err, cuda.ErrorInvalidHandle)
+
+	other, err := d.StreamCreate(cuda.StreamDefault, 0)
+	require.NoError(t, err)
+	require.NoError(t, other.WaitEvent(end))
+	done, err := end.Query()
+	require.NoError(t, err)
+	assert.True(t, done)
+	idle, err := s.Query()
+	require.NoError(t, err)
+	assert.True(t, idle)
+	require.NoError(t, s.Synchronize())
+	require.NoError(t, end.Synchronize())
+
+	for _, e := range []cuda.Event{start, end, untimed} {
+		require.NoError(t, e.Destroy())
+	}
+	assert.ErrorIs(t, start.Destroy(), cuda.ErrorInvalidHandle)
+	require.NoError(t, s.Destroy())
+	require.NoError(t, other.Destroy())
+	assert.ErrorIs(t, cuda.WrapStream(d, 0).Destroy(), cuda.ErrorInvalidHandle, "the default stream is not ours to destroy")
+	assert.Zero(t, d.Live())
+}
+
+func TestFailNext(t *testing.T) {
+	d, _ := process(t, nil, 0)
+	d.FailNext("MemAlloc", cuda.ErrorOutOfMemory)
+	_, err := d.MemAlloc(16)
+	require.ErrorIs(t, err, cuda.ErrorOutOfMemory)
+	assert.Contains(t, err.Error(), "CUDA_ERROR_OUT_OF_MEMORY: out of memory")
+	p, err := d.MemAlloc(16)
+	require.NoError(t, err, "only the next call fails")
+	assert.Equal(t, 2, d.Calls("MemAlloc"))
+	require.NoError(t, d.MemFree(p))
+}

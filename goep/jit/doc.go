@@ -1,0 +1,16 @@
+// Package jit compiles pyep's CUDA kernels at run time with NVRTC and caches the results.
+//
+// Kernels are specialised on shapes (hidden size, number of ranks, ...) that are known only when
+// a Buffer is created, and on the GPU at hand, so they cannot be prebuilt into the gopy .so
+// without a combinatorial explosion; NVRTC is what PyTorch's CUDA wheels already ship, so it is
+// there wherever pyep's cuda backend can run.
+//
+// NVRTC lives here rather than in goep/cuda because compiling needs no GPU and no driver: the
+// CPU tests compile every kernel on machines without either, and goep/cuda stays a thin
+// driver layer. Both libraries are opened with dlopen, so building pyep needs no CUDA at all.
+//
+// Cache: Compile looks in memory, then in DefaultDir ($PYEP_JIT_CACHE_DIR or ~/.cache/pyep),
+// then runs NVRTC. Keys hash the source and the headers it includes, the full NVRTC command line
+// (arch, -D defines, flags) and the NVRTC version. A compile reports one line on stderr unless
+// PYEP_JIT_QUIET=1.
+package jit

@@ -1,0 +1,52 @@
+"""The bridge to the Go core: loads the gopy extension and turns its errors into Python ones.
+
+Loading follows the hazards measured for gopy and cgo: the extension is opened with RTLD_LAZY
+(go-nvml's NVML symbols resolve only when first called), gopy's gc callback (a full Go GC after
+every Python GC, ~1 ms) is removed, and a forked child never calls into Go.
+"""
+import gc
+import os
+import sys
+
+_saved_flags = sys.getdlopenflags()
+sys.setdlopenflags(os.RTLD_LAZY | (_saved_flags & ~(os.RTLD_NOW | os.RTLD_GLOBAL)))
+try:
+    from ._gopy import pyep as _go  # noqa: E402
+finally:
+    sys.setdlopenflags(_saved_flags)
+
+gc.callbacks[:] = [cb for cb in gc.callbacks if getattr(cb, "__name__", "") != "_gopy_gc_cb"]
+
+_owner_pid = os.getpid()
+
+
+class PyepError(RuntimeError):
+    """An operation of the Go core failed (not a mistake in an argument)."""
+
+
+def _forked_child():
+    global _owner_pid
+    _owner_pid = -1
+
+
+os.register_at_fork(after_in_child=_forked_child)
+
+
+def call(name, *args):
+    """Calls the Go export `name`; a "ValueError: " error becomes ValueError, any other
+    PyepError. A forked child raises instead of entering the parent's Go runtime."""
+    if _owner_pid != os.getpid():
+        raise PyepError("pyep cannot be used in a forked child process: the Go runtime does not survive fork; "
+                        "use the spawn start method or import pyep in the child")
+    try:
+        return getattr(_go, name)(*args)
+    except RuntimeError as e:
+        msg = str(e)
+        if msg.startswith("ValueError: "):
+            raise ValueError(msg[len("ValueError: "):]) from None
+        raise PyepError(msg) from None
+
+
+def usable():
+    """Whether this process may call into Go (False in a forked child)."""
+    return _owner_pid == os.getpid()
