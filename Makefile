@@ -2,7 +2,7 @@
 PYTHON  ?= python3
 # The pytest suite runs once per group size, each rank a process under torchrun (gloo, cpu backend).
 NPROCS  ?= 1 2 3 4 8
-PYTEST  ?= -q -p no:cacheprovider
+PYTEST  ?= -q -rs -p no:cacheprovider
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: install test go-test py-test fmt

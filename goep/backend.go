@@ -1,10 +1,14 @@
 package goep
 
-import "unsafe"
+import (
+	"unsafe"
+
+	"github.com/pyep/pyep/goep/normal"
+)
 
 // ControlBytes is the control region in front of every NVLink-domain data region: barrier
 // signals and the counters of the normal-mode rings' handshakes. It is zeroed at allocation.
-const ControlBytes = 4096
+const ControlBytes = normal.ControlBytes
 
 // Region is memory of the NVLink domain that this process can address: its own, or a peer's
 // after Backend.Open.
@@ -41,4 +45,11 @@ type Backend interface {
 type RDMARegion interface {
 	Data() unsafe.Pointer
 	Close() error
+}
+
+// PeerChecker is an optional Backend method that Buffer.Sync calls before opening any peer:
+// tokens[i] is NVLink rank i's token (tokens[nvlRank] this rank's own), ranks their group ranks.
+// The cuda backend checks there that every pair of GPUs is joined by NVLink.
+type PeerChecker interface {
+	CheckPeers(nvlRank int, ranks []int, tokens [][]byte) error
 }

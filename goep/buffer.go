@@ -188,6 +188,17 @@ func (b *Buffer) openPeers(deviceIDs []int, handles [][]byte) error {
 		}
 		peers[nvl] = h
 	}
+	if pc, ok := b.backend.(PeerChecker); ok {
+		ranks := make([]int, t.NumNVLRanks)
+		tokens := make([][]byte, t.NumNVLRanks)
+		for nvl := range ranks {
+			ranks[nvl], tokens[nvl] = t.DomainRank(nvl), peers[nvl].Token
+		}
+		tokens[t.NVLRank] = b.local.Token()
+		if err := pc.CheckPeers(t.NVLRank, ranks, tokens); err != nil {
+			return err
+		}
+	}
 	for nvl, h := range peers {
 		if nvl == t.NVLRank {
 			continue
@@ -233,8 +244,9 @@ func (b *Buffer) IsAvailable() bool {
 // Destroy releases the peers' mappings, then this rank's own memory. Idempotent: a second call
 // returns nil.
 //
-// No barrier with peers is needed before freeing: a peer's mapping of this rank's region keeps
-// the memory alive until that peer unmaps it.
+// On cpu no barrier with peers is needed before freeing: a peer's mapping of this rank's region
+// keeps the memory alive until that peer unmaps it. On cuda the backend waits (bounded by its
+// timeout) until every peer has released its mapping, so destroy is collective there.
 func (b *Buffer) Destroy() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()

@@ -18,6 +18,7 @@ import (
 
 	"github.com/pyep/pyep/goep"
 	"github.com/pyep/pyep/goep/cpu"
+	"github.com/pyep/pyep/goep/cuda"
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
@@ -50,14 +51,29 @@ func lookup(id int64) (*goep.Buffer, error) {
 	return b, nil
 }
 
+// backendNamed is "cpu", or "cuda:N" for device ordinal N (Python passes
+// torch.cuda.current_device(); plain "cuda" is device 0). Every Buffer on a GPU shares the
+// process's Backend of that GPU (its primary context and communication stream).
 func backendNamed(name string) (goep.Backend, error) {
-	switch name {
-	case "cpu":
+	switch {
+	case name == "cpu":
 		return cpu.Backend{}, nil
-	case "cuda":
-		return nil, goep.Argf("the cuda backend is not available in this build yet; use CPU tensors with a gloo group (the cpu backend)")
+	case name == "cuda" || strings.HasPrefix(name, "cuda:"):
+		ordinal := 0
+		if s, ok := strings.CutPrefix(name, "cuda:"); ok {
+			n, err := strconv.Atoi(s)
+			if err != nil || n < 0 {
+				return nil, goep.Argf("backend %q: expected \"cuda:N\" with N a device ordinal", name)
+			}
+			ordinal = n
+		}
+		be, err := cuda.SharedBackend(ordinal)
+		if err != nil {
+			return nil, err
+		}
+		return be, nil
 	}
-	return nil, goep.Argf("backend %q: expected \"cpu\" or \"cuda\"", name)
+	return nil, goep.Argf("backend %q: expected \"cpu\" or \"cuda:N\"", name)
 }
 
 // NewBuffer allocates a Buffer on the named backend and returns its id.

@@ -112,6 +112,7 @@ func (d DType) String() string {
 
 // Tensor is a read view of a DLPack tensor that pyep requires to be dense and row-major.
 type Tensor struct {
+	Valid      bool // false for an absent tensor (Data alone cannot tell: an empty tensor may have none)
 	Data       unsafe.Pointer
 	DeviceType int
 	DeviceID   int
@@ -141,6 +142,7 @@ func Parse(addr uintptr) (Tensor, error) {
 		return Tensor{}, fmt.Errorf("DLPack tensor with %d dimensions", ndim)
 	}
 	t := Tensor{
+		Valid:      true,
 		Data:       unsafe.Add(dl.data, uintptr(dl.byte_offset)),
 		DeviceType: int(dl.device.device_type),
 		DeviceID:   int(dl.device.device_id),

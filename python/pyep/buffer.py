@@ -3,7 +3,7 @@ import atexit
 import ctypes
 import os
 import weakref
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,55 @@ _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
 # DLPack (type code, bits) of a byte, the element of every view the core hands out.
 _DL_UINT8 = (1, 8)
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+class _DLPack:
+    """Hands tensors to the core as DLPack addresses; keeps their capsules alive until the call returns."""
+
+    __slots__ = ("capsules",)
+
+    def __init__(self) -> None:
+        self.capsules = []
+
+    def __call__(self, tensor: Optional[torch.Tensor]) -> int:
+        if tensor is None:
+            return 0
+        capsule = torch.utils.dlpack.to_dlpack(tensor)
+        self.capsules.append(capsule)
+        return _capsule_pointer(capsule, _DLTENSOR)
+
+
+def _check_tensor(name: str, t: object, dtypes: Tuple[torch.dtype, ...], dims: Tuple[Optional[int], ...],
+                  device: torch.device) -> torch.Tensor:
+    """Raises TypeError/ValueError naming `name` unless t is a contiguous tensor of one of `dtypes`, shaped
+    `dims` (None: any size), on `device`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {t.dtype}, expected " + " or ".join(map(str, dtypes)))
+    if t.dim() != len(dims) or any(d is not None and s != d for s, d in zip(t.shape, dims)):
+        expected = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
+        raise ValueError(f"{name}: shape {list(t.shape)}, expected {expected}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected {device} (the buffer's device)")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: not contiguous; pass {name}.contiguous()")
+    return t
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} = {value!r}: expected an int >= {low}")
+    return value
+
+
+# Token rows a dispatch moves (BF16 is DeepEP's; the others move as bytes too) and rows combine sums.
+_ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _bytes_view(addr: int) -> torch.Tensor:
@@ -52,16 +101,21 @@ def _shaped(tensor: torch.Tensor, size: Optional[torch.Size]) -> torch.Tensor:
     return tensor[: size.numel()].view(size)
 
 
+def _cuda_backend() -> str:
+    """The cuda backend on PyTorch's current device (the Go core takes the ordinal)."""
+    return f"cuda:{torch.cuda.current_device()}"
+
+
 def _backend_for(group: Optional[dist.ProcessGroup]) -> str:
-    """cuda for NCCL groups on a machine with GPUs, cpu (shared memory) otherwise; PYEP_BACKEND
-    overrides."""
+    """cuda (as "cuda:<current device>") for NCCL groups on a machine with GPUs, cpu (shared
+    memory) otherwise; PYEP_BACKEND=cpu|cuda overrides."""
     forced = os.environ.get("PYEP_BACKEND")
     if forced:
-        return forced
+        return _cuda_backend() if forced == "cuda" else forced
     if group is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return _cuda_backend() if torch.cuda.is_available() else "cpu"
     name = str(dist.get_backend(group)).lower()
-    return "cuda" if "nccl" in name and torch.cuda.is_available() else "cpu"
+    return _cuda_backend() if "nccl" in name and torch.cuda.is_available() else "cpu"
 
 
 class _Runtime:
@@ -69,7 +123,10 @@ class _Runtime:
 
     def __init__(self, backend: str, rank: int, num_ranks: int, num_nvl_bytes: int, num_rdma_bytes: int,
                  low_latency_mode: bool, explicitly_destroy: bool, enable_shrink: bool, use_fabric: bool) -> None:
-        self.backend = backend
+        if backend == "cuda":
+            backend = _cuda_backend()
+        # "cpu" or "cuda"; the device is get_local_device_id().
+        self.backend = backend.partition(":")[0]
         self.id = _core.call("NewBuffer", backend, rank, num_ranks, num_nvl_bytes, num_rdma_bytes,
                              low_latency_mode, explicitly_destroy, enable_shrink, use_fabric)
         (self._device_id, self.rank, self.num_ranks, self._rdma_rank, self._num_rdma_ranks,
@@ -197,6 +254,7 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
+        self._handles = weakref.WeakValueDictionary()
         self.runtime = _Runtime(_backend_for(group), self.rank, self.group_size, num_nvl_bytes, num_rdma_bytes,
                                 low_latency_mode, explicitly_destroy, enable_shrink, use_fabric)
         _live.add(self)
@@ -285,7 +343,19 @@ class Buffer:
         Returns:
             event: the captured event.
         """
-        return EventOverlap(EventHandle(torch.device("cuda") if torch.cuda.is_available() else None))
+        return EventOverlap(EventHandle(torch.device("cuda", torch.cuda.current_device())
+                                        if torch.cuda.is_available() else None))
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """
+        Gets pyep's communication stream (cuda backend): the stream its kernels run on, created by pyep
+        (non-blocking, highest priority) and shared by the Buffers of this process on this GPU.
+
+        Returns:
+            stream: a `torch.cuda.ExternalStream` (a `torch.cuda.Stream`) wrapping it.
+        """
+        raw = _core.call("BufferCommStream", self.runtime.id)
+        return torch.cuda.ExternalStream(raw, device=torch.device("cuda", self.runtime.get_local_device_id()))
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -343,3 +413,270 @@ class Buffer:
             tensor: a 1-D tensor of `dtype` (or shaped `size`) over the peer's memory.
         """
         return _shaped(self.runtime.get_local_buffer_tensor(dtype, offset, False, nvl_rank), size)
+
+    # ---- normal mode -------------------------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        dev = self.runtime.get_local_device_id()
+        return torch.device("cpu") if dev < 0 else torch.device("cuda", dev)
+
+    def _events(self, previous_event: Optional[EventOverlap], async_finish: bool,
+                allocate_on_comm_stream: bool) -> None:
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
+        if allocate_on_comm_stream and not (previous_event is not None and async_finish):
+            raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True")
+        if previous_event is not None and previous_event.event is not None:
+            previous_event.event.synchronize()
+
+    def _finish(self, async_finish: bool, tensors: tuple) -> EventOverlap:
+        # The cpu backend has finished when its call returns: the event is already complete.
+        return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
+
+    def _config(self, config: Optional[Config], default) -> Config:
+        if config is None:
+            return default(self.group_size)
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a pyep.Config, got {type(config).__name__}")
+        return config
+
+    def _remember(self, handle: tuple) -> tuple:
+        self._handles[id(handle[0])] = handle[0]
+        return handle
+
+    def _check_handle(self, handle: object, length: int) -> tuple:
+        if not isinstance(handle, tuple) or len(handle) != length:
+            raise ValueError(f"handle: expected the {length}-tuple returned by this buffer's dispatch")
+        if self._handles.get(id(handle[0])) is not handle[0]:
+            raise ValueError("handle: not returned by a dispatch of this buffer (a handle of another buffer?)")
+        return handle
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False) -> \
+            Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """
+        Calculates the layout a dispatch needs from each token's experts.
+
+        Arguments:
+            topk_idx: `[num_tokens, num_topk]` with `pyep.topk_idx_t` (`torch.int64`), the expert of each of a token's
+                top-k choices, `-1` for none; experts are split evenly, rank r holding
+                `[r * num_experts / num_ranks, (r + 1) * num_experts / num_ranks)`.
+            num_experts: the number of experts, a multiple of the number of ranks.
+            previous_event: an event to wait for before the computation.
+            async_finish: whether to return an event instead of making the current stream wait.
+            allocate_on_comm_stream: whether the outputs belong to the communication stream (needs previous_event
+                and async_finish).
+
+        Returns:
+            num_tokens_per_rank: `[num_ranks]` with `torch.int`, the tokens sent to each rank.
+            num_tokens_per_rdma_rank: None within one node (`[num_rdma_ranks]` with `torch.int` across nodes).
+            num_tokens_per_expert: `[num_experts]` with `torch.int`, the tokens sent to each expert.
+            is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
+            event: the event of the computation (set when `async_finish`).
+        """
+        device = self._device()
+        _check_tensor("topk_idx", topk_idx, (topk_idx_t,), (None, None), device)
+        _check_int("num_experts", num_experts, 1)
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts = {num_experts}: expected a multiple of num_ranks = {self.group_size}")
+        self._events(previous_event, async_finish, allocate_on_comm_stream)
+        per_rank = torch.empty(self.group_size, dtype=torch.int32, device=device)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=device)
+        in_rank = torch.empty((topk_idx.size(0), self.group_size), dtype=torch.bool, device=device)
+        dl = _DLPack()
+        _core.call("Layout", self.runtime.id, dl(topk_idx), num_experts, dl(per_rank), dl(per_expert), dl(in_rank))
+        per_rdma_rank = None
+        if self.runtime.get_num_rdma_ranks() > 1:
+            per_rdma_rank = per_rank.view(-1, 8).sum(1, dtype=torch.int32)
+        return per_rank, per_rdma_rank, per_expert, in_rank, self._finish(async_finish, (topk_idx,))
+
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                 handle: Optional[Tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> \
+            Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], Optional[torch.Tensor],
+                  Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
+        """
+        Sends every token to the ranks that hold its experts (a collective call). Received tokens are ordered by
+        source rank, then by the source's token index.
+
+        Arguments:
+            x: `[num_tokens, hidden]` with `torch.bfloat16` (on the cpu backend also `torch.float16`/`torch.float32`),
+                or a tuple of `[num_tokens, hidden]` with `torch.float8_e4m3fn` and its scales `[num_tokens, hidden // 128]`
+                with `torch.float`.
+            handle: the handle of an earlier dispatch to reuse its layout (cached mode: the same tokens go to the same
+                ranks; the top-k arguments and the layout tensors must be None).
+            num_tokens_per_rank: `[num_ranks]` with `torch.int`, from `get_dispatch_layout`.
+            num_tokens_per_rdma_rank: `[num_rdma_ranks]` with `torch.int`, None within one node.
+            is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, from `get_dispatch_layout`.
+            num_tokens_per_expert: `[num_experts]` with `torch.int`, from `get_dispatch_layout`.
+            topk_idx: `[num_tokens, num_topk]` with `pyep.topk_idx_t`, the experts of each token (-1 for none), or None.
+            topk_weights: `[num_tokens, num_topk]` with `torch.float`, the weights of those experts (with topk_idx).
+            expert_alignment: the received token count of each local expert is aligned up to this.
+            num_worst_tokens: if positive, the outputs have exactly this many rows (the received tokens first, then
+                padding with `recv_topk_idx` -1) and `num_recv_tokens_per_expert_list` is empty; every rank must receive
+                at most this many tokens.
+            config: the performance config; `get_dispatch_config(num_ranks)` when None.
+            previous_event: an event to wait for before the dispatch.
+            async_finish: whether to return an event instead of making the current stream wait.
+            allocate_on_comm_stream: whether the outputs belong to the communication stream (needs previous_event
+                and async_finish).
+
+        Returns:
+            recv_x: the received tokens, the same type (tensor or tuple) as `x`, `[num_recv_tokens, hidden]`.
+            recv_topk_idx: `[num_recv_tokens, num_topk]` with `pyep.topk_idx_t`: the local expert index on this rank,
+                -1 for experts elsewhere (None in cached mode or without topk_idx).
+            recv_topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, 0 where the index is -1 (None likewise).
+            num_recv_tokens_per_expert_list: a list of `num_local_experts` ints, the tokens each local expert receives,
+                each aligned up to `expert_alignment` (empty with num_worst_tokens; None in cached mode).
+            handle: `(rank_prefix_matrix [num_ranks, num_ranks] int32, channel_prefix_matrix [num_ranks, num_channels]
+                int32, recv_channel_prefix_matrix [num_ranks, num_channels] int32, recv_src_idx [num_recv_tokens] int32,
+                is_token_in_rank [num_tokens, num_ranks] bool, send_head [num_tokens, num_ranks] int32)`, for `combine`
+                and cached dispatch (None in cached mode).
+            event: the event of the dispatch (set when `async_finish`).
+        """
+        config = self._config(config, self.get_dispatch_config)
+        device = self._device()
+        if self.runtime.get_num_rdma_ranks() > 1:
+            raise _core.PyepError(f"dispatch across NVLink domains ({self.group_size} ranks) is not available yet")
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        if x_scales is None:
+            _check_tensor("x", x, _ROW_DTYPES, (None, None), device)
+        else:
+            _check_tensor("x[0]", x, (torch.float8_e4m3fn,), (None, None), device)
+            _check_tensor("x[1]", x_scales, (torch.float32,), (x.size(0), None), device)
+        num_tokens, R = x.size(0), self.group_size
+        _check_int("expert_alignment", expert_alignment, 1)
+        _check_int("num_worst_tokens", num_worst_tokens, 0)
+        self._events(previous_event, async_finish, allocate_on_comm_stream)
+        fields = (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                  config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+        channels = config.num_sms // 2
+        dl = _DLPack()
+
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("topk_idx, topk_weights: must be None with a handle (cached dispatch)")
+            rank_prefix, channel_prefix, _, recv_src_idx, is_token_in_rank, _ = self._check_handle(handle, 6)
+            _check_tensor("handle is_token_in_rank", is_token_in_rank, (torch.bool,), (num_tokens, R), device)
+            if channel_prefix.shape != (R, channels):
+                raise ValueError(f"config: {channels} channels, the handle's dispatch used {channel_prefix.size(1)}")
+            rows = recv_src_idx.size(0)
+            recv_x = torch.empty((rows, x.size(1)), dtype=x.dtype, device=device)
+            recv_scales = None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=device)
+            _core.call("Dispatch", self.runtime.id, *fields, 0, rows, dl(x), dl(x_scales), 0, 0, dl(is_token_in_rank),
+                       dl(rank_prefix), dl(channel_prefix), dl(recv_x), dl(recv_scales), 0, 0, 0, 0, 0)
+            recv = recv_x if x_scales is None else (recv_x, recv_scales)
+            return recv, None, None, None, None, self._finish(async_finish, (x, x_scales, recv_x, recv_scales))
+
+        for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                        ("num_tokens_per_expert", num_tokens_per_expert)):
+            if t is None:
+                raise ValueError(f"{name}: required without a handle (from get_dispatch_layout)")
+        _check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32,), (R,), device)
+        _check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (num_tokens, R), device)
+        _check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), (None,), device)
+        num_experts = num_tokens_per_expert.size(0)
+        if num_experts == 0 or num_experts % R:
+            raise ValueError(f"num_tokens_per_expert: {num_experts} experts, expected a positive multiple of num_ranks = {R}")
+        if (topk_idx is None) != (topk_weights is None):
+            raise ValueError("topk_idx, topk_weights: pass both or neither")
+        if topk_idx is not None:
+            _check_tensor("topk_idx", topk_idx, (topk_idx_t,), (num_tokens, None), device)
+            _check_tensor("topk_weights", topk_weights, (torch.float32,), (num_tokens, topk_idx.size(1)), device)
+
+        rank_prefix = torch.empty((R, R), dtype=torch.int32, device=device)
+        channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=device)
+        recv_channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=device)
+        recv_per_expert = torch.empty(num_experts // R, dtype=torch.int32, device=device)
+        num_recv = _core.call("DispatchNotify", self.runtime.id, *fields, num_experts, expert_alignment, num_worst_tokens,
+                              dl(num_tokens_per_rank), dl(num_tokens_per_expert), dl(is_token_in_rank),
+                              dl(rank_prefix), dl(channel_prefix), dl(recv_channel_prefix), dl(recv_per_expert))
+        rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
+        recv_x = torch.empty((rows, x.size(1)), dtype=x.dtype, device=device)
+        recv_scales = None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=device)
+        recv_src_idx = torch.empty(rows, dtype=torch.int32, device=device)
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            recv_topk_idx = torch.empty((rows, topk_idx.size(1)), dtype=topk_idx_t, device=device)
+            recv_topk_weights = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=device)
+        send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=device)
+        _core.call("Dispatch", self.runtime.id, *fields, num_experts, num_worst_tokens, dl(x), dl(x_scales), dl(topk_idx),
+                   dl(topk_weights), dl(is_token_in_rank), dl(rank_prefix), dl(channel_prefix), dl(recv_x),
+                   dl(recv_scales), dl(recv_src_idx), dl(recv_topk_idx), dl(recv_topk_weights), 0, dl(send_head))
+        handle = self._remember((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head))
+        per_expert_list = [] if num_worst_tokens > 0 else recv_per_expert.tolist()
+        recv = recv_x if x_scales is None else (recv_x, recv_scales)
+        event = self._finish(async_finish, (x, x_scales, topk_idx, topk_weights, recv_x, recv_scales, recv_topk_idx,
+                                            recv_topk_weights) + handle)
+        return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, event
+
+    def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False) -> \
+            Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """
+        Sends the expert outputs back to the ranks their tokens came from and sums them there (without weights;
+        a collective call).
+
+        Arguments:
+            x: `[num_recv_tokens, hidden]` with `torch.bfloat16` (on the cpu backend also `torch.float16`/`torch.float32`),
+                the rows received by the dispatch, in its order (padding rows of num_worst_tokens are ignored).
+            handle: the handle returned by the dispatch.
+            topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, weights to reduce alongside, or None.
+            bias: None, one or a pair of `[num_tokens, hidden]` tensors of x's dtype, added to every combined token.
+            config: the performance config; when None, `get_combine_config(num_ranks)` with the dispatch's `num_sms`.
+            previous_event: an event to wait for before the combine.
+            async_finish: whether to return an event instead of making the current stream wait.
+            allocate_on_comm_stream: whether the outputs belong to the communication stream (needs previous_event
+                and async_finish).
+
+        Returns:
+            combined_x: `[num_tokens, hidden]` of x's dtype: per token, the sum of the copies returned by each rank
+                it was sent to (summed in float32, rounded once), plus the bias.
+            combined_topk_weights: `[num_tokens, num_topk]` with `torch.float`, the summed weights (None without
+                topk_weights).
+            event: the event of the combine (set when `async_finish`).
+        """
+        rank_prefix, _, recv_channel_prefix, src_idx, _, send_head = self._check_handle(handle, 6)
+        if config is None:
+            # Combine runs on the dispatch's channels: the recommended config with the handle's SM count.
+            c = self.get_combine_config(self.group_size)
+            config = Config(2 * recv_channel_prefix.size(1), *c._fields()[1:])
+        config = self._config(config, self.get_combine_config)
+        device = self._device()
+        num_tokens, R = send_head.size(0), self.group_size
+        _check_tensor("x", x, _ROW_DTYPES, (None, None), device)
+        if x.size(0) < src_idx.size(0):
+            raise ValueError(f"x: {x.size(0)} rows, expected the dispatch's {src_idx.size(0)} received rows")
+        if recv_channel_prefix.size(1) != config.num_sms // 2:
+            raise ValueError(f"config: {config.num_sms // 2} channels, the handle's dispatch used {recv_channel_prefix.size(1)}"
+                             f" (num_sms = {2 * recv_channel_prefix.size(1)})")
+        if topk_weights is not None:
+            _check_tensor("topk_weights", topk_weights, (torch.float32,), (x.size(0), None), device)
+        biases = bias if isinstance(bias, tuple) else (bias,)
+        if len(biases) > 2:
+            raise ValueError(f"bias: expected None, a tensor or a pair of tensors, got {len(biases)} tensors")
+        biases = tuple(biases) + (None,) * (2 - len(biases))
+        for i, b in enumerate(biases):
+            if b is not None:
+                _check_tensor(f"bias[{i}]", b, (x.dtype,), (num_tokens, x.size(1)), device)
+        self._events(previous_event, async_finish, allocate_on_comm_stream)
+        combined_x = torch.empty((num_tokens, x.size(1)), dtype=x.dtype, device=device)
+        combined_weights = None
+        if topk_weights is not None:
+            combined_weights = torch.empty((num_tokens, topk_weights.size(1)), dtype=torch.float32, device=device)
+        dl = _DLPack()
+        # Rows past the dispatch's received rows are num_worst_tokens padding: they do not move.
+        _core.call("Combine", self.runtime.id, config.num_sms, config.num_max_nvl_chunked_send_tokens,
+                   config.num_max_nvl_chunked_recv_tokens, config.num_max_rdma_chunked_send_tokens,
+                   config.num_max_rdma_chunked_recv_tokens, dl(x), dl(topk_weights), dl(src_idx), dl(rank_prefix),
+                   dl(recv_channel_prefix), dl(send_head), dl(biases[0]), dl(biases[1]), dl(combined_x),
+                   dl(combined_weights))
+        return combined_x, combined_weights, self._finish(async_finish, (x, topk_weights, combined_x, combined_weights))

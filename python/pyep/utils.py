@@ -1,28 +1,56 @@
 """Events and small helpers shared by the Buffer API."""
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
 
-class EventHandle:
-    """A point in a stream's work. On CUDA it records a torch.cuda.Event on the current stream;
-    on the cpu backend every operation has finished when its call returns, so the event is
-    complete when made."""
+def _as_stream(stream: Union[torch.cuda.Stream, int], device: Optional[torch.device] = None) -> torch.cuda.Stream:
+    """A torch stream, or a raw CUstream (an int, e.g. from pyep's core) wrapped as one."""
+    if isinstance(stream, torch.cuda.Stream):
+        return stream
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return torch.cuda.ExternalStream(stream, device=device)
+    raise TypeError(f"stream must be a torch.cuda.Stream or a raw CUstream (int), got {type(stream).__name__}")
 
-    def __init__(self, device: Optional[torch.device] = None) -> None:
-        self.event = None
-        if device is not None and device.type == "cuda":
+
+class EventHandle:
+    """A point in a stream's work, DeepEP's `EventHandle`: a CUDA event recorded on `stream` (a
+    torch.cuda.Stream or a raw CUstream), or else on the current stream of a CUDA `device`. On the cpu
+    backend (no device, no stream) every operation has finished when its call returns, so the event is
+    complete when made.
+
+    Arguments:
+        device: the device whose current stream to record on, when no stream is given.
+        stream: the stream to record on.
+    """
+
+    def __init__(self, device: Optional[torch.device] = None,
+                 stream: Optional[Union[torch.cuda.Stream, int]] = None) -> None:
+        self.event: Optional[torch.cuda.Event] = None
+        if stream is not None:
+            stream = _as_stream(stream, device)
+        elif device is not None and torch.device(device).type == "cuda":
+            stream = torch.cuda.current_stream(device)
+        if stream is not None:
             self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(device))
+            self.event.record(stream)
 
     def current_stream_wait(self) -> None:
+        """Makes the current stream wait for the event (the host does not block)."""
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
 
+    def stream_wait(self, stream: Union[torch.cuda.Stream, int]) -> None:
+        """Makes `stream` wait for the event (the host does not block)."""
+        if self.event is not None:
+            _as_stream(stream).wait_event(self.event)
+
     def query(self) -> bool:
+        """Whether the recorded work has completed."""
         return self.event is None or self.event.query()
 
     def synchronize(self) -> None:
+        """Blocks the host until the recorded work has completed."""
         if self.event is not None:
             self.event.synchronize()
 

@@ -1,0 +1,200 @@
+package cuda_test
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda"
+)
+
+// Tests of the Backend over the real driver: they skip, saying why, without libcuda or GPUs.
+
+func realDriver(t *testing.T, gpus int) cuda.Driver {
+	t.Helper()
+	drv, err := cuda.Open()
+	if err != nil {
+		t.Skipf("no CUDA driver, so no real-GPU backend test: %v", err)
+	}
+	n, err := drv.DeviceCount()
+	require.NoError(t, err)
+	if n < gpus {
+		t.Skipf("%d GPUs wanted, the driver sees %d", gpus, n)
+	}
+	return drv
+}
+
+// readBack copies device memory to the host in the backend's context.
+func readBack(t *testing.T, be *cuda.Backend, p cuda.DevicePtr, n int) []byte {
+	t.Helper()
+	exit, err := be.Enter()
+	defer exit()
+	require.NoError(t, err)
+	out := make([]byte, n)
+	require.NoError(t, be.Driver().MemcpyDtoH(out, p))
+	return out
+}
+
+func fill(t *testing.T, be *cuda.Backend, p cuda.DevicePtr, v byte, n int) {
+	t.Helper()
+	exit, err := be.Enter()
+	defer exit()
+	require.NoError(t, err)
+	require.NoError(t, be.Driver().MemsetD8(p, v, n))
+	require.NoError(t, be.Driver().CtxSynchronize())
+}
+
+func TestGPUBackend(t *testing.T) {
+	drv := realDriver(t, 1)
+	be, err := cuda.NewBackend(drv, 0, cuda.BackendOptions{Timeout: 20 * time.Second})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, be.Close()) }()
+	t.Logf("device 0 at %s", be.PCIBusID())
+
+	const size = 1 << 20
+	l, err := be.Allocate(size, 1)
+	require.NoError(t, err)
+	ctrl := cuda.PtrOf(l.Control())
+	assert.Equal(t, make([]byte, goep.ControlBytes+size), readBack(t, be, ctrl, goep.ControlBytes+size), "zeroed")
+	kind, err := drv.PointerGetAttribute(cuda.PointerAttrMemoryType, cuda.PtrOf(l.Data()))
+	require.NoError(t, err)
+	assert.EqualValues(t, cuda.MemoryTypeDevice, kind)
+	require.NoError(t, l.Close())
+
+	rdma, err := be.AllocateRDMA(1 << 16)
+	require.NoError(t, err)
+	assert.Equal(t, make([]byte, 1<<16), readBack(t, be, cuda.PtrOf(rdma.Data()), 1<<16))
+	require.NoError(t, rdma.Close())
+
+	// The device writes mapped host counters (a memset on the comm stream, as a kernel would),
+	// after the comm stream waited for the legacy default stream.
+	h, err := be.NewHostCounters(3)
+	require.NoError(t, err)
+	require.NoError(t, be.StreamWait(be.CommStream(), be.WrapStream(0)))
+	func() {
+		exit, err := be.Enter()
+		defer exit()
+		require.NoError(t, err)
+		require.NoError(t, drv.MemsetD8Async(h.Device(), 0, 8, be.CommStream()))
+	}()
+	_, err = h.Wait(50*time.Millisecond, func(i int) string { return fmt.Sprintf("the count of rank %d", i) })
+	assert.ErrorContains(t, err, "the count of rank 2 from the GPU, which never arrived")
+	vals, err := h.Wait(time.Millisecond, nil)
+	assert.Equal(t, []int32{0, 0, -1}, vals)
+	require.Error(t, err)
+	require.NoError(t, be.StreamWait(be.WrapStream(0), be.CommStream()))
+	require.NoError(t, h.Close())
+}
+
+// TestGPUNVLinkProbe asks NVML about every pair of visible GPUs.
+func TestGPUNVLinkProbe(t *testing.T) {
+	drv := realDriver(t, 2)
+	n, err := drv.DeviceCount()
+	require.NoError(t, err)
+	buses := make([]string, n)
+	for i := range buses {
+		d, err := drv.DeviceGet(i)
+		require.NoError(t, err)
+		buses[i], err = d.PCIBusID()
+		require.NoError(t, err)
+	}
+	for i := range buses {
+		for j := i + 1; j < n; j++ {
+			ok, status, err := cuda.NVML().NVLinkP2P(buses[i], buses[j])
+			require.NoError(t, err)
+			t.Logf("%s - %s: NVLink P2P %v (%s)", buses[i], buses[j], ok, status)
+		}
+	}
+}
+
+// TestGPUBackendTwoProcesses: this process is rank 0 on device 0, a child (this test binary
+// again, TestGPUBackendChild) rank 1 on device 1. They exchange tokens, check the topology,
+// open each other's buffers, write through them, and destroy with the release handshake.
+func TestGPUBackendTwoProcesses(t *testing.T) {
+	drv := realDriver(t, 2)
+	be, err := cuda.NewBackend(drv, 0, cuda.BackendOptions{Timeout: 30 * time.Second})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, be.Close()) }()
+	const size = 1 << 20
+	l, err := be.Allocate(size, 1)
+	require.NoError(t, err)
+	fill(t, be, cuda.PtrOf(l.Data()), 0xa5, size/2)
+
+	cmd := exec.Command(os.Args[0], "-test.run=^TestGPUBackendChild$", "-test.v", "-test.count=1")
+	cmd.Env = append(os.Environ(), "PYEP_TEST_BACKEND_TOKEN="+hex.EncodeToString(l.Token()))
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	require.NoError(t, cmd.Start())
+	lines := bufio.NewScanner(stdout)
+	var log strings.Builder
+	next := func(prefix string) string {
+		for lines.Scan() {
+			log.WriteString(lines.Text() + "\n")
+			if rest, ok := strings.CutPrefix(lines.Text(), prefix); ok {
+				return rest
+			}
+		}
+		require.FailNow(t, "the child ended early", "%s\n%s", log.String(), stderr.String())
+		return ""
+	}
+	tok1, err := hex.DecodeString(next("TOKEN "))
+	require.NoError(t, err)
+	tokens := [][]byte{l.Token(), tok1}
+	require.NoError(t, be.CheckPeers(0, []int{0, 1}, tokens))
+	r1, err := be.Open(tok1, size)
+	require.NoError(t, err)
+	assert.Equal(t, bytes.Repeat([]byte{0x3c}, 64), readBack(t, be, cuda.PtrOf(r1.Data()), 64), "the child's data, over NVLink")
+	fill(t, be, cuda.PtrOf(r1.Data()).Add(size-64), 0x77, 64)
+	next("DONE")
+	assert.Equal(t, bytes.Repeat([]byte{0x5a}, size/2), readBack(t, be, cuda.PtrOf(l.Data()).Add(size/2), size/2), "the child's writes")
+
+	require.NoError(t, r1.Close())
+	start := time.Now()
+	require.NoError(t, l.Close(), "the child released this buffer")
+	t.Logf("destroy waited %v for the child's release", time.Since(start))
+	_, _ = io.Copy(&log, stdout)
+	require.NoError(t, cmd.Wait(), "%s\n%s", log.String(), stderr.String())
+	assert.Contains(t, log.String(), "--- PASS: TestGPUBackendChild")
+	assert.Zero(t, be.Deferred())
+}
+
+func TestGPUBackendChild(t *testing.T) {
+	hs := os.Getenv("PYEP_TEST_BACKEND_TOKEN")
+	if hs == "" {
+		t.Skip("run by TestGPUBackendTwoProcesses in a child process")
+	}
+	tok0, err := hex.DecodeString(hs)
+	require.NoError(t, err)
+	drv := realDriver(t, 2)
+	be, err := cuda.NewBackend(drv, 1, cuda.BackendOptions{Timeout: 30 * time.Second})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, be.Close()) }()
+	const size = 1 << 20
+	l, err := be.Allocate(size, 1)
+	require.NoError(t, err)
+	fill(t, be, cuda.PtrOf(l.Data()), 0x3c, 64)
+	fmt.Printf("TOKEN %s\n", hex.EncodeToString(l.Token()))
+	tokens := [][]byte{tok0, l.Token()}
+	require.NoError(t, be.CheckPeers(1, []int{0, 1}, tokens))
+	r0, err := be.Open(tok0, size)
+	require.NoError(t, err)
+	assert.Equal(t, bytes.Repeat([]byte{0xa5}, size/2), readBack(t, be, cuda.PtrOf(r0.Data()), size/2))
+	fill(t, be, cuda.PtrOf(r0.Data()).Add(size/2), 0x5a, size/2)
+	fmt.Println("DONE")
+	require.NoError(t, r0.Close())
+	require.NoError(t, l.Close(), "the parent released this buffer")
+	assert.Zero(t, be.Deferred())
+}

@@ -1,0 +1,75 @@
+package cuda
+
+import (
+	"fmt"
+	"sync"
+)
+
+// CommStream is pyep's communication stream on this GPU: created by the Backend,
+// non-blocking (it never waits behind the legacy default stream) and of the highest priority.
+// Python wraps it as torch.cuda.ExternalStream (Buffer.get_comm_stream).
+func (b *Backend) CommStream() Stream { return b.comm }
+
+// WrapStream wraps a raw CUstream of this GPU that someone else owns, e.g. PyTorch's current
+// stream as Python passes it (torch.cuda.current_stream().cuda_stream); 0 is the legacy
+// default stream. Never Destroy it.
+func (b *Backend) WrapStream(raw uintptr) Stream { return WrapStream(b.drv, raw) }
+
+// StreamWait makes the work queued on waiter from now on wait for the work queued on on so far
+// (an event recorded on on, waited for by waiter); the host does not block. E.g.
+// StreamWait(comm, torch) before a dispatch reads tensors that PyTorch's stream produces, and
+// StreamWait(torch, comm) after it.
+func (b *Backend) StreamWait(waiter, on Stream) error {
+	if waiter == on {
+		return nil
+	}
+	exit, err := b.Enter()
+	defer exit()
+	if err != nil {
+		return err
+	}
+	// One event serves every call: cuStreamWaitEvent waits for the record current at the
+	// time of the call, so re-recording afterwards is safe.
+	b.waitMu.Lock()
+	defer b.waitMu.Unlock()
+	if err := b.waitEv.Record(on); err != nil {
+		return err
+	}
+	return waiter.WaitEvent(b.waitEv)
+}
+
+var shared struct {
+	sync.Mutex
+	backends map[int]*Backend
+}
+
+// SharedBackend is this process's Backend of device ordinal over the real driver (Open), made
+// on first use with the default options and kept for the life of the process, as PyTorch
+// keeps its contexts and streams: every Buffer on the GPU shares its communication stream.
+func SharedBackend(ordinal int) (*Backend, error) {
+	shared.Lock()
+	defer shared.Unlock()
+	if b, ok := shared.backends[ordinal]; ok {
+		return b, nil
+	}
+	drv, err := Open()
+	if err != nil {
+		return nil, err
+	}
+	n, err := drv.DeviceCount()
+	if err != nil {
+		return nil, err
+	}
+	if ordinal < 0 || ordinal >= n {
+		return nil, fmt.Errorf("pyep: cuda device %d: this process sees %d GPUs", ordinal, n)
+	}
+	b, err := NewBackend(drv, ordinal, BackendOptions{})
+	if err != nil {
+		return nil, err
+	}
+	if shared.backends == nil {
+		shared.backends = map[int]*Backend{}
+	}
+	shared.backends[ordinal] = b
+	return b, nil
+}

@@ -1,0 +1,83 @@
+package goep
+
+import (
+	"unsafe"
+
+	"github.com/pyep/pyep/goep/dlpack"
+)
+
+// Tensors turns the DLPack addresses of one call's arguments into checked views. The first
+// mistake is kept (Err) and names the argument; later calls are no-ops, so a caller checks once.
+type Tensors struct {
+	DeviceType int // every tensor must live here (dlpack.CPU or dlpack.CUDA)
+	Err        error
+}
+
+// Get parses the tensor at addr (0 = None; allowed only if optional) and checks its dtype
+// (any of dtypes) and shape (-1 matches any size).
+func (ts *Tensors) Get(name string, addr uintptr, optional bool, dtypes []dlpack.DType, dims ...int64) dlpack.Tensor {
+	if ts.Err != nil {
+		return dlpack.Tensor{}
+	}
+	if addr == 0 {
+		if !optional {
+			ts.Err = Argf("%s: expected a tensor, got None", name)
+		}
+		return dlpack.Tensor{}
+	}
+	t, err := dlpack.Parse(addr)
+	if err != nil {
+		ts.Err = Argf("%s: %v", name, err)
+		return dlpack.Tensor{}
+	}
+	if t.DeviceType != ts.DeviceType {
+		ts.Err = Argf("%s: tensor on device type %d, expected %d (every tensor on this buffer's device)", name, t.DeviceType, ts.DeviceType)
+		return dlpack.Tensor{}
+	}
+	ok := false
+	for _, d := range dtypes {
+		ok = ok || t.DType == d
+	}
+	if !ok {
+		ts.Err = Argf("%s: dtype %v, expected %v", name, t.DType, dtypes)
+		return dlpack.Tensor{}
+	}
+	if len(t.Shape) != len(dims) {
+		ts.Err = Argf("%s: shape %v, expected %d dimensions %v", name, t.Shape, len(dims), dims)
+		return dlpack.Tensor{}
+	}
+	for i, d := range dims {
+		if d >= 0 && t.Shape[i] != d {
+			ts.Err = Argf("%s: shape %v, expected %v (-1: any)", name, t.Shape, dims)
+			return dlpack.Tensor{}
+		}
+	}
+	return t
+}
+
+// Views of a checked tensor's memory as Go slices; nil for an absent tensor.
+
+func Bytes(t dlpack.Tensor) []byte       { return slice[byte](t, int64(t.DType.Size())) }
+func Int32s(t dlpack.Tensor) []int32     { return slice[int32](t, 1) }
+func Int64s(t dlpack.Tensor) []int64     { return slice[int64](t, 1) }
+func Float32s(t dlpack.Tensor) []float32 { return slice[float32](t, 1) }
+func Bools(t dlpack.Tensor) []bool       { return slice[bool](t, 1) }
+
+func slice[T any](t dlpack.Tensor, per int64) []T {
+	if !t.Valid {
+		return nil
+	}
+	n := t.Numel() * per
+	if n == 0 || t.Data == nil {
+		return []T{}
+	}
+	return unsafe.Slice((*T)(t.Data), n)
+}
+
+// RowBytes is the bytes of one row of a 2-D tensor.
+func RowBytes(t dlpack.Tensor) int {
+	if len(t.Shape) < 2 {
+		return 0
+	}
+	return int(t.Shape[1]) * t.DType.Size()
+}

@@ -1,0 +1,76 @@
+package pyep
+
+import "github.com/pyep/pyep/goep"
+
+// Normal-mode exports. Tensors are DLPack addresses (0 for None); configs are their five fields.
+
+func config(numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int) (goep.Config, error) {
+	return goep.NewConfig(numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+}
+
+// Layout is get_dispatch_layout.
+func Layout(id int64, topkIdx uintptr, numExperts int, perRank, perExpert, inRank uintptr) (err error) {
+	defer guard("Layout", &err)
+	b, err := lookup(id)
+	if err != nil {
+		return err
+	}
+	return b.Layout(topkIdx, numExperts, perRank, perExpert, inRank)
+}
+
+// DispatchNotify is the count exchange of a non-cached dispatch; it returns the rows this rank
+// receives.
+func DispatchNotify(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int,
+	numExperts, expertAlignment, numWorstTokens int,
+	perRank, perExpert, inRank, rankPrefix, channelPrefix, recvChannelPrefix, recvPerExpert uintptr) (n int, err error) {
+	defer guard("DispatchNotify", &err)
+	b, err := lookup(id)
+	if err != nil {
+		return 0, err
+	}
+	cfg, err := config(numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+	if err != nil {
+		return 0, err
+	}
+	return b.Notify(goep.NotifyArgs{Config: cfg, NumExperts: numExperts, ExpertAlignment: expertAlignment,
+		NumWorstTokens: numWorstTokens, NumTokensPerRank: perRank, NumTokensPerExpert: perExpert,
+		IsTokenInRank: inRank, RankPrefixMatrix: rankPrefix, ChannelPrefixMatrix: channelPrefix,
+		RecvChannelPrefixMatrix: recvChannelPrefix, NumRecvTokensPerExpert: recvPerExpert})
+}
+
+// Dispatch is the data phase of dispatch (cached when topkIdx is 0).
+func Dispatch(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int, numExperts, numWorstTokens int,
+	x, xScales, topkIdx, topkWeights, inRank, rankPrefix, channelPrefix,
+	recvX, recvXScales, recvSrcIdx, recvTopkIdx, recvTopkWeights, recvChannelPrefix, sendHead uintptr) (err error) {
+	defer guard("Dispatch", &err)
+	b, err := lookup(id)
+	if err != nil {
+		return err
+	}
+	cfg, err := config(numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+	if err != nil {
+		return err
+	}
+	return b.Dispatch(goep.DispatchArgs{Config: cfg, NumExperts: numExperts, NumWorstTokens: numWorstTokens,
+		X: x, XScales: xScales, TopkIdx: topkIdx, TopkWeights: topkWeights, IsTokenInRank: inRank,
+		RankPrefixMatrix: rankPrefix, ChannelPrefixMatrix: channelPrefix, RecvX: recvX, RecvXScales: recvXScales,
+		RecvSrcIdx: recvSrcIdx, RecvTopkIdx: recvTopkIdx, RecvTopkWeights: recvTopkWeights,
+		RecvChannelPrefixMatrix: recvChannelPrefix, SendHead: sendHead})
+}
+
+// Combine is combine.
+func Combine(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int,
+	x, topkWeights, srcIdx, rankPrefix, channelPrefix, sendHead, bias0, bias1, combinedX, combinedWeights uintptr) (err error) {
+	defer guard("Combine", &err)
+	b, err := lookup(id)
+	if err != nil {
+		return err
+	}
+	cfg, err := config(numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+	if err != nil {
+		return err
+	}
+	return b.Combine(goep.CombineArgs{Config: cfg, X: x, TopkWeights: topkWeights, SrcIdx: srcIdx,
+		RankPrefixMatrix: rankPrefix, ChannelPrefixMatrix: channelPrefix, SendHead: sendHead,
+		Bias0: bias0, Bias1: bias1, CombinedX: combinedX, CombinedTopkWeights: combinedWeights})
+}
