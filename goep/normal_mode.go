@@ -41,24 +41,14 @@ var opTimeout = func() time.Duration {
 	return normal.DefaultTimeout
 }()
 
-// domain is this rank's view of the shared regions for one call.
-func (b *Buffer) domain() (*normal.Domain, error) {
-	peers, err := b.Peers()
-	if err != nil {
-		return nil, err
-	}
-	if b.backend.DeviceID() >= 0 {
-		return nil, errors.New("normal mode on the cuda backend is not available yet")
-	}
-	if b.topo.NumRDMARanks > 1 {
-		return nil, Argf("num_ranks = %d: normal mode across NVLink domains (internode) is not available yet; use at most %d ranks", b.topo.NumRanks, NumMaxNVLPeers)
-	}
+// domain is the cpu path's view of the mapped regions for one call.
+func (b *Buffer) domain(peers []Region) *normal.Domain {
 	d := &normal.Domain{Rank: b.topo.NVLRank, NumRanks: b.topo.NumNVLRanks, NumBytes: b.params.NumNVLBytes, Timeout: opTimeout,
 		Buffers: make([]unsafe.Pointer, len(peers)), Controls: make([]unsafe.Pointer, len(peers))}
 	for i, p := range peers {
 		d.Buffers[i], d.Controls[i] = p.Data(), p.Control()
 	}
-	return d, nil
+	return d
 }
 
 func (b *Buffer) tensors() *Tensors {
@@ -76,29 +66,97 @@ func wrap(err error) error {
 	return err
 }
 
+// LayoutOp is a checked get_dispatch_layout: topk_idx [T, K] int64 in; num_tokens_per_rank [R],
+// num_tokens_per_expert [E] int32 and is_token_in_rank [T, R] bool out.
+type LayoutOp struct {
+	NumExperts, NumRanks                int
+	TopkIdx, PerRank, PerExpert, InRank dlpack.Tensor
+}
+
+// NotifyOp is a checked count exchange of a dispatch (see normal.NotifyArgs for the tensors).
+type NotifyOp struct {
+	Config                                       Config
+	NumTokens, NumExperts, ExpertAlignment       int
+	NumWorstTokens                               int
+	PerRank, PerExpert, InRank                   dlpack.Tensor
+	RankPrefix, ChannelPrefix, RecvChannelPrefix dlpack.Tensor
+	RecvPerExpert                                dlpack.Tensor
+}
+
+// DispatchOp is a checked dispatch (see normal.DispatchArgs); TopkIdx is absent when cached.
+type DispatchOp struct {
+	Config                                       Config
+	NumTokens, HiddenBytes, ScalesBytes, NumTopk int
+	NumExperts, NumWorstTokens                   int
+	X, XScales, TopkIdx, TopkWeights, InRank     dlpack.Tensor
+	RankPrefix, ChannelPrefix                    dlpack.Tensor
+	RecvX, RecvXScales, RecvSrcIdx, RecvTopkIdx  dlpack.Tensor
+	RecvTopkWeights, RecvChannelPrefix, SendHead dlpack.Tensor
+}
+
+// CombineOp is a checked combine (see normal.CombineArgs).
+type CombineOp struct {
+	Config                                       Config
+	NumTokens, Hidden, NumTopk                   int
+	X, TopkWeights, SrcIdx                       dlpack.Tensor
+	RankPrefix, ChannelPrefix, SendHead          dlpack.Tensor
+	Bias0, Bias1, CombinedX, CombinedTopkWeights dlpack.Tensor
+}
+
+// NormalEngine runs normal-mode operations on a backend whose memory the host cannot address
+// (cuda kernels); without one, the cpu path runs goep/normal over the mapped regions. peers[i]
+// is NVLink rank i's region as mapped here.
+type NormalEngine interface {
+	Layout(a *LayoutOp) error
+	Notify(topo Topology, peers []Region, a *NotifyOp) (int, error)
+	Dispatch(topo Topology, peers []Region, a *DispatchOp) error
+	Combine(topo Topology, peers []Region, a *CombineOp) error
+}
+
+func (b *Buffer) engine() (NormalEngine, []Region, error) {
+	peers, err := b.Peers()
+	if err != nil {
+		return nil, nil, err
+	}
+	if b.topo.NumRDMARanks > 1 {
+		return nil, nil, Argf("num_ranks = %d: normal mode across NVLink domains (internode) is not available yet; use at most %d ranks", b.topo.NumRanks, NumMaxNVLPeers)
+	}
+	e, ok := b.backend.(NormalEngine)
+	if !ok && b.backend.DeviceID() >= 0 {
+		// goep/normal reads and writes the regions from the host: device memory needs an engine.
+		return nil, nil, errors.New("normal mode is not available on this backend")
+	}
+	return e, peers, nil
+}
+
 // Layout counts, for topk_idx [T, K], the tokens for each rank and expert and which ranks
 // each token goes to.
 func (b *Buffer) Layout(topkIdx uintptr, numExperts int, perRank, perExpert, inRank uintptr) error {
 	R := int64(b.topo.NumRanks)
 	ts := b.tensors()
-	topk := ts.Get("topk_idx", topkIdx, false, i64, -1, -1)
-	pr := ts.Get("num_tokens_per_rank", perRank, false, i32, R)
-	pe := ts.Get("num_tokens_per_expert", perExpert, false, i32, int64(numExperts))
+	op := &LayoutOp{NumExperts: numExperts, NumRanks: int(R)}
+	op.TopkIdx = ts.Get("topk_idx", topkIdx, false, i64, -1, -1)
+	op.PerRank = ts.Get("num_tokens_per_rank", perRank, false, i32, R)
+	op.PerExpert = ts.Get("num_tokens_per_expert", perExpert, false, i32, int64(numExperts))
 	T := int64(0)
 	if ts.Err == nil {
-		T = topk.Shape[0]
+		T = op.TopkIdx.Shape[0]
 	}
-	ir := ts.Get("is_token_in_rank", inRank, false, bool_, T, R)
+	op.InRank = ts.Get("is_token_in_rank", inRank, false, bool_, T, R)
 	if ts.Err != nil {
 		return ts.Err
 	}
 	if numExperts <= 0 || numExperts%int(R) != 0 {
 		return Argf("num_experts = %d: expected a positive multiple of num_ranks = %d", numExperts, R)
 	}
-	if b.backend.DeviceID() >= 0 {
-		return errors.New("get_dispatch_layout on the cuda backend is not available yet")
+	if e, ok := b.backend.(NormalEngine); ok {
+		return wrap(e.Layout(op))
 	}
-	return wrap(normal.Layout(Int64s(topk), int(T), int(topk.Shape[1]), numExperts, int(R), Int32s(pr), Int32s(pe), Bools(ir)))
+	if b.backend.DeviceID() >= 0 {
+		return errors.New("get_dispatch_layout is not available on this backend")
+	}
+	return wrap(normal.Layout(Int64s(op.TopkIdx), int(T), int(op.TopkIdx.Shape[1]), numExperts, int(R),
+		Int32s(op.PerRank), Int32s(op.PerExpert), Bools(op.InRank)))
 }
 
 // NotifyArgs are the tensors of a dispatch's count exchange.
@@ -118,26 +176,32 @@ func (b *Buffer) Notify(a NotifyArgs) (int, error) {
 		return 0, Argf("num_tokens_per_expert: %d experts, expected a positive multiple of num_ranks = %d", a.NumExperts, R)
 	}
 	ts := b.tensors()
-	ir := ts.Get("is_token_in_rank", a.IsTokenInRank, false, bool_, -1, R)
-	pr := ts.Get("num_tokens_per_rank", a.NumTokensPerRank, false, i32, R)
-	pe := ts.Get("num_tokens_per_expert", a.NumTokensPerExpert, false, i32, int64(a.NumExperts))
-	rpm := ts.Get("rank_prefix_matrix", a.RankPrefixMatrix, false, i32, R, R)
-	cpm := ts.Get("channel_prefix_matrix", a.ChannelPrefixMatrix, false, i32, R, C)
-	rcpm := ts.Get("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, false, i32, R, C)
-	rpe := ts.Get("num_recv_tokens_per_expert", a.NumRecvTokensPerExpert, false, i32, int64(a.NumExperts)/R)
+	op := &NotifyOp{Config: a.Config, NumExperts: a.NumExperts, ExpertAlignment: a.ExpertAlignment, NumWorstTokens: a.NumWorstTokens}
+	op.InRank = ts.Get("is_token_in_rank", a.IsTokenInRank, false, bool_, -1, R)
+	op.PerRank = ts.Get("num_tokens_per_rank", a.NumTokensPerRank, false, i32, R)
+	op.PerExpert = ts.Get("num_tokens_per_expert", a.NumTokensPerExpert, false, i32, int64(a.NumExperts))
+	op.RankPrefix = ts.Get("rank_prefix_matrix", a.RankPrefixMatrix, false, i32, R, R)
+	op.ChannelPrefix = ts.Get("channel_prefix_matrix", a.ChannelPrefixMatrix, false, i32, R, C)
+	op.RecvChannelPrefix = ts.Get("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, false, i32, R, C)
+	op.RecvPerExpert = ts.Get("num_recv_tokens_per_expert", a.NumRecvTokensPerExpert, false, i32, int64(a.NumExperts)/R)
 	if ts.Err != nil {
 		return 0, ts.Err
 	}
-	d, err := b.domain()
+	op.NumTokens = int(op.InRank.Shape[0])
+	eng, peers, err := b.engine()
 	if err != nil {
 		return 0, err
 	}
-	res, err := normal.Notify(d, &normal.NotifyArgs{
-		Config: a.Config.normal(), NumTokens: int(ir.Shape[0]), NumExperts: a.NumExperts,
+	if eng != nil {
+		n, err := eng.Notify(b.topo, peers, op)
+		return n, wrap(err)
+	}
+	res, err := normal.Notify(b.domain(peers), &normal.NotifyArgs{
+		Config: a.Config.normal(), NumTokens: op.NumTokens, NumExperts: a.NumExperts,
 		ExpertAlignment: a.ExpertAlignment, NumWorstTokens: a.NumWorstTokens,
-		NumTokensPerRank: Int32s(pr), NumTokensPerExpert: Int32s(pe), IsTokenInRank: Bools(ir),
-		RankPrefixMatrix: Int32s(rpm), ChannelPrefixMatrix: Int32s(cpm),
-		RecvChannelPrefixMatrix: Int32s(rcpm), NumRecvTokensPerExpert: Int32s(rpe),
+		NumTokensPerRank: Int32s(op.PerRank), NumTokensPerExpert: Int32s(op.PerExpert), IsTokenInRank: Bools(op.InRank),
+		RankPrefixMatrix: Int32s(op.RankPrefix), ChannelPrefixMatrix: Int32s(op.ChannelPrefix),
+		RecvChannelPrefixMatrix: Int32s(op.RecvChannelPrefix), NumRecvTokensPerExpert: Int32s(op.RecvPerExpert),
 	})
 	return res.NumRecvTokens, wrap(err)
 }
@@ -192,13 +256,21 @@ func (b *Buffer) Dispatch(a DispatchArgs) error {
 	if ts.Err != nil {
 		return ts.Err
 	}
-	d, err := b.domain()
+	op := &DispatchOp{Config: a.Config, NumTokens: int(T), HiddenBytes: RowBytes(x), ScalesBytes: RowBytes(scales),
+		NumTopk: int(K), NumExperts: a.NumExperts, NumWorstTokens: a.NumWorstTokens,
+		X: x, XScales: scales, TopkIdx: topk, TopkWeights: weights, InRank: ir, RankPrefix: rpm, ChannelPrefix: cpm,
+		RecvX: recvX, RecvXScales: recvScales, RecvSrcIdx: srcIdx, RecvTopkIdx: recvTopk,
+		RecvTopkWeights: recvWeights, RecvChannelPrefix: rcpm, SendHead: sendHead}
+	eng, peers, err := b.engine()
 	if err != nil {
 		return err
 	}
-	return wrap(normal.Dispatch(d, &normal.DispatchArgs{
-		Config: a.Config.normal(), NumTokens: int(T), HiddenBytes: RowBytes(x), ScalesBytes: RowBytes(scales),
-		NumTopk: int(K), NumExperts: a.NumExperts,
+	if eng != nil {
+		return wrap(eng.Dispatch(b.topo, peers, op))
+	}
+	return wrap(normal.Dispatch(b.domain(peers), &normal.DispatchArgs{
+		Config: a.Config.normal(), NumTokens: op.NumTokens, HiddenBytes: op.HiddenBytes, ScalesBytes: op.ScalesBytes,
+		NumTopk: op.NumTopk, NumExperts: a.NumExperts,
 		X: Bytes(x), XScales: Bytes(scales), TopkIdx: Int64s(topk), TopkWeights: Float32s(weights), IsTokenInRank: Bools(ir),
 		RankPrefixMatrix: Int32s(rpm), ChannelPrefixMatrix: Int32s(cpm), NumWorstTokens: a.NumWorstTokens,
 		RecvX: Bytes(recvX), RecvXScales: Bytes(recvScales), RecvSrcIdx: Int32s(srcIdx),
@@ -244,11 +316,17 @@ func (b *Buffer) Combine(a CombineArgs) error {
 	if ts.Err != nil {
 		return ts.Err
 	}
-	d, err := b.domain()
+	op := &CombineOp{Config: a.Config, NumTokens: int(T), Hidden: int(H), NumTopk: int(K),
+		X: x, TopkWeights: weights, SrcIdx: srcIdx, RankPrefix: rpm, ChannelPrefix: rcpm, SendHead: sendHead,
+		Bias0: bias0, Bias1: bias1, CombinedX: out, CombinedTopkWeights: outWeights}
+	eng, peers, err := b.engine()
 	if err != nil {
 		return err
 	}
-	return wrap(normal.Combine(d, &normal.CombineArgs{
+	if eng != nil {
+		return wrap(eng.Combine(b.topo, peers, op))
+	}
+	return wrap(normal.Combine(b.domain(peers), &normal.CombineArgs{
 		Config: a.Config.normal(), DType: combineDType(x.DType), Hidden: int(H), NumTopk: int(K), NumTokens: int(T),
 		X: Bytes(x), TopkWeights: Float32s(weights), SrcIdx: Int32s(srcIdx),
 		RankPrefixMatrix: Int32s(rpm), ChannelPrefixMatrix: Int32s(rcpm), SendHead: Int32s(sendHead),
