@@ -1,11 +1,16 @@
-"""Every test runs in each rank of a torchrun launch (1 to 8 processes) over a gloo group, so the
-cpu backend is what runs here; a plain `pytest` is a group of one."""
+"""Every test runs in each rank of a torchrun launch (1 to 8 processes); a plain `pytest` is a group of one.
+
+The `group` is gloo (the cpu backend) unless PYEP_TEST_DEVICE=cuda, which makes it NCCL with one GPU a rank
+(the cuda backend); `device` is where the tests put their tensors."""
 import os
 import tempfile
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
+
+DEVICE = os.environ.get("PYEP_TEST_DEVICE", "cpu")
 
 # A collective test that fails on one rank must not leave the others waiting for half an hour.
 GROUP_TIMEOUT = timedelta(seconds=int(os.environ.get("PYEP_TEST_GROUP_TIMEOUT", "120")))
@@ -14,11 +19,14 @@ GROUP_TIMEOUT = timedelta(seconds=int(os.environ.get("PYEP_TEST_GROUP_TIMEOUT", 
 @pytest.fixture(scope="session")
 def group():
     if not dist.is_initialized():
+        if DEVICE == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if DEVICE == "cuda" else "gloo"
         if "WORLD_SIZE" in os.environ:
-            dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
+            dist.init_process_group(backend, timeout=GROUP_TIMEOUT)
         else:
             store = tempfile.mkdtemp(prefix="pyep-test-")
-            dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1,
+            dist.init_process_group(backend, init_method=f"file://{store}/store", rank=0, world_size=1,
                                     timeout=GROUP_TIMEOUT)
     yield dist.group.WORLD
     dist.barrier()
@@ -32,3 +40,8 @@ def rank(group):
 @pytest.fixture
 def num_ranks(group):
     return group.size()
+
+
+@pytest.fixture(scope="session")
+def device(group):
+    return torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")

@@ -1,5 +1,8 @@
 """Normal mode (get_dispatch_layout, dispatch, cached dispatch, combine) against a pure-torch reference.
 
+The same suite runs on the cpu backend (CI) and, with PYEP_TEST_DEVICE=cuda, on GPUs: inputs are made on the CPU,
+moved to the test device, and results compared on the CPU.
+
 Every rank makes every rank's inputs from the same seeds, so it computes what it must receive without any
 communication; the library's results are compared with that reference bit for bit (combine sums in float32 in
 increasing rank order and rounds once, which the reference repeats)."""
@@ -104,24 +107,38 @@ def buffer_for(group, config: pyep.Config, hidden_bytes: int) -> pyep.Buffer:
     return _buffers[size]
 
 
-def run_case(group, case: Case):
+def on(device, value):
+    """Moves a tensor, or a tuple of tensors, to device."""
+    if isinstance(value, tuple):
+        return tuple(on(device, v) for v in value)
+    return value.to(device)
+
+
+def host(value):
+    if isinstance(value, tuple):
+        return tuple(host(v) for v in value)
+    return None if value is None else value.cpu()
+
+
+def run_case(group, device, case: Case):
     me, R = group.rank(), group.size()
     config = pyep.Config(*case.config) if case.config else pyep.Buffer.get_dispatch_config(R)
     dtype = torch.bfloat16 if case.fp8 else case.dtype
     hidden_bytes = case.hidden * torch.empty((), dtype=dtype).element_size()
     buffer = buffer_for(group, config, hidden_bytes)
-    x, topk, w = inputs(case, me, R)
+    x, topk, w = on(device, inputs(case, me, R))
     E = case.experts_per_rank * R
     if case.name == "buffer_smaller_than_data":
         assert buffer.num_nvl_bytes < case.tokens * hidden_bytes, "the rings are much smaller than one rank's tokens"
 
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
     assert per_rdma is None
-    ref_in_rank = torch.stack([((topk >= r * case.experts_per_rank) & (topk < (r + 1) * case.experts_per_rank)).any(1)
+    topk_h = topk.cpu()
+    ref_in_rank = torch.stack([((topk_h >= r * case.experts_per_rank) & (topk_h < (r + 1) * case.experts_per_rank)).any(1)
                                for r in range(R)], 1) if case.tokens else torch.zeros(0, R, dtype=torch.bool)
-    assert torch.equal(in_rank, ref_in_rank)
-    assert torch.equal(per_rank, ref_in_rank.sum(0).int())
-    assert torch.equal(per_expert, torch.stack([(topk == e).any(1) for e in range(E)], 1).sum(0).int()
+    assert torch.equal(in_rank.cpu(), ref_in_rank)
+    assert torch.equal(per_rank.cpu(), ref_in_rank.sum(0).int())
+    assert torch.equal(per_expert.cpu(), torch.stack([(topk_h == e).any(1) for e in range(E)], 1).sum(0).int()
                        if case.tokens else torch.zeros(E, dtype=torch.int32))
 
     ref_x, ref_scales, ref_topk, ref_w, ref_src, ref_counts = expected_receive(case, me, R)
@@ -133,6 +150,8 @@ def run_case(group, case: Case):
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=topk, topk_weights=w, expert_alignment=case.alignment, num_worst_tokens=worst, config=config)
     recv_x, recv_scales = recv if case.fp8 else (recv, None)
+    dev_recv_x, dev_recv_w = recv_x, recv_w
+    recv_x, recv_scales, recv_topk, recv_w = host((recv_x, recv_scales, recv_topk, recv_w))
     rows = worst or n
     assert recv_x.shape == (rows, case.hidden) and recv_x.dtype == x[0].dtype if case.fp8 else recv_x.dtype == case.dtype
     assert torch.equal(recv_x[:n].view(torch.uint8), ref_x.view(torch.uint8)), "dispatch moves rows bit for bit"
@@ -141,29 +160,31 @@ def run_case(group, case: Case):
     assert torch.equal(recv_topk[:n], ref_topk) and torch.equal(recv_w[:n], ref_w)
     assert (recv_topk[n:] == -1).all() and (recv_w[n:] == 0).all()
     assert counts == ([] if worst else ref_counts)
-    rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, handle_in_rank, send_head = handle
+    assert handle[4] is in_rank
+    rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, handle_in_rank, send_head = host(handle)
     assert torch.equal(recv_src_idx[:n], ref_src)
-    assert rank_prefix[R - 1, me].item() == n and handle_in_rank is in_rank
+    assert rank_prefix[R - 1, me].item() == n
     assert channel_prefix.shape == recv_channel_prefix.shape == (R, config.num_sms // 2)
-    assert torch.equal(channel_prefix[:, -1], per_rank)
-    assert torch.equal((send_head >= 0), in_rank)
+    assert torch.equal(channel_prefix[:, -1], per_rank.cpu())
+    assert torch.equal((send_head >= 0), handle_in_rank)
 
     # Cached dispatch moves the same rows again.
     again, *rest, event = buffer.dispatch(x, handle=handle, config=config)
     assert rest == [None, None, None, None]
-    again_x = again[0] if case.fp8 else again
+    again_x = (again[0] if case.fp8 else again).cpu()
     assert torch.equal(again_x[:n].view(torch.uint8), ref_x.view(torch.uint8))
 
     # Combine: each rank returns its rows scaled; no bias, one bias, two biases.
-    y = expert_output(recv_x.float().to(torch.bfloat16) if case.fp8 else recv_x, me)
+    y = on(device, expert_output(recv_x.float().to(torch.bfloat16) if case.fp8 else recv_x, me))
     g = torch.Generator().manual_seed(7 + me)
     for num_bias in (0, 1, 2):
         bias = tuple(torch.randn(case.tokens, case.hidden, generator=g).to(y.dtype) for _ in range(num_bias))
-        combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w,
-                                                 bias=bias[0] if num_bias == 1 else (bias or None), config=config)
+        combined, combined_w, _ = buffer.combine(y, handle, topk_weights=dev_recv_w,
+                                                 bias=on(device, bias[0] if num_bias == 1 else (bias or None)) if bias else None,
+                                                 config=config)
         ref_combined, ref_weights = expected_combine(case, me, R, bias)
-        assert torch.equal(combined, ref_combined), f"combine with {num_bias} biases"
-        assert torch.equal(combined_w, ref_weights)
+        assert torch.equal(combined.cpu(), ref_combined), f"combine with {num_bias} biases"
+        assert torch.equal(combined_w.cpu(), ref_weights)
 
 
 CASES = [
@@ -189,15 +210,15 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_round_trip(group, case):
-    run_case(group, case)
+def test_round_trip(group, device, case):
+    run_case(group, device, case)
 
 
-def test_async_and_events(group):
+def test_async_and_events(group, device):
     case = Case("events")
     R = group.size()
     buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), case.hidden * 2)
-    x, topk, w = inputs(case, group.rank(), R)
+    x, topk, w = on(device, inputs(case, group.rank(), R))
     previous = pyep.Buffer.capture()
     per_rank, _, per_expert, in_rank, event = buffer.get_dispatch_layout(
         topk, case.experts_per_rank * R, previous_event=previous, async_finish=True, allocate_on_comm_stream=True)
@@ -211,23 +232,23 @@ def test_async_and_events(group):
         buffer.get_dispatch_layout(topk, case.experts_per_rank * R, allocate_on_comm_stream=True)
 
 
-def good_call(group, buffer):
+def good_call(group, device, buffer):
     run = Case("after_error", tokens=32)
     R = group.size()
-    x, topk, w = inputs(run, group.rank(), R)
+    x, topk, w = on(device, inputs(run, group.rank(), R))
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, run.experts_per_rank * R)
     recv, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w)
-    assert torch.equal(recv, expected_receive(run, group.rank(), R)[0])
+    assert torch.equal(recv.cpu(), expected_receive(run, group.rank(), R)[0])
     combined, _, _ = buffer.combine(recv, handle)
     return handle
 
 
-def test_bad_input_raises_and_next_call_works(group):
+def test_bad_input_raises_and_next_call_works(group, device):
     R, me = group.size(), group.rank()
     buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), 256 * 2)
     case = Case("bad", tokens=32)
-    x, topk, w = inputs(case, me, R)
+    x, topk, w = on(device, inputs(case, me, R))
     E = case.experts_per_rank * R
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
@@ -245,7 +266,7 @@ def test_bad_input_raises_and_next_call_works(group):
     if R > 1:
         with pytest.raises(ValueError, match=rf"num_experts = {E + 1}: expected a multiple of num_ranks = {R}"):
             buffer.get_dispatch_layout(topk, E + 1)
-    with pytest.raises(ValueError, match=r"topk_idx: on meta, expected cpu"):
+    with pytest.raises(ValueError, match=rf"topk_idx: on meta, expected {device}"):
         buffer.get_dispatch_layout(topk.to("meta"), E)
     with pytest.raises(ValueError, match=r"not contiguous"):
         buffer.get_dispatch_layout(topk.t(), E)
@@ -253,7 +274,7 @@ def test_bad_input_raises_and_next_call_works(group):
         buffer.dispatch([1, 2], **layout)
     with pytest.raises(ValueError, match="expert_alignment = 0"):
         buffer.dispatch(x, **layout, expert_alignment=0)
-    handle = good_call(group, buffer)
+    handle = good_call(group, device, buffer)
 
     other = pyep.Buffer(group, buffer.num_nvl_bytes)
     with pytest.raises(ValueError, match="handle: not returned by a dispatch of this buffer"):
@@ -262,25 +283,25 @@ def test_bad_input_raises_and_next_call_works(group):
         other.combine(x, handle)
     with pytest.raises(ValueError, match="topk_idx, topk_weights: must be None with a handle"):
         buffer.dispatch(x, handle=handle, topk_idx=topk, topk_weights=w)
-    good_call(group, buffer)
+    good_call(group, device, buffer)
 
     # An index out of range inside dispatch is caught by the core before anything moves, on every rank.
     bad_topk = topk.clone()
     bad_topk[3, 2] = E + 5
     with pytest.raises(ValueError, match=r"topk_idx\[3,2\]"):
         buffer.dispatch(x, **layout, topk_idx=bad_topk, topk_weights=w)
-    good_call(group, buffer)
+    good_call(group, device, buffer)
 
     # num_worst_tokens smaller than what some rank receives: the same error everywhere.
     with pytest.raises(ValueError, match="num_worst_tokens"):
         buffer.dispatch(x, **layout, topk_idx=topk, topk_weights=w, num_worst_tokens=1)
-    good_call(group, buffer)
+    good_call(group, device, buffer)
 
     # A buffer too small for the config's rings says so before anything moves.
     small = pyep.Buffer(group, 1 << 12)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
         small.dispatch(x, **layout)
-    good_call(group, buffer)
+    good_call(group, device, buffer)
     dist.barrier(group)
 
 
@@ -289,21 +310,21 @@ def rss_bytes():
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def test_1000_calls_with_changing_shapes_flat_memory(group):
+def test_1000_calls_with_changing_shapes_flat_memory(group, device):
     R, me = group.size(), group.rank()
     config = pyep.Config(4, 2, 16, 6, 128)
     buffer = pyep.Buffer(group, config.get_nvl_buffer_size_hint(512 * 2, R))
     rss = []
     for i in range(1000):
         case = Case("loop", tokens=(i * 7) % 33, hidden=(64, 128, 512)[i % 3], topk=1 + i % 4, seed=i)
-        x, topk, w = inputs(case, me, R)
+        x, topk, w = on(device, inputs(case, me, R))
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, case.experts_per_rank * R)
         recv, recv_topk, recv_w, _, handle, _ = buffer.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=topk, topk_weights=w, config=config)
         combined, _, _ = buffer.combine(recv, handle, config=config)
         if i % 97 == 0:
-            assert torch.equal(recv, expected_receive(case, me, R)[0])
+            assert torch.equal(recv.cpu(), expected_receive(case, me, R)[0])
         if i in (200, 999):
             rss.append(rss_bytes())
     assert rss[1] - rss[0] < 16 << 20, f"memory grew by {(rss[1] - rss[0]) >> 20} MiB over 800 calls"
