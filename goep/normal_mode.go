@@ -74,6 +74,9 @@ type LayoutOp struct {
 }
 
 // NotifyOp is a checked count exchange of a dispatch (see normal.NotifyArgs for the tensors).
+// TopkIdx [T, K] is optional: the dispatch's top-k indices, which an engine that cannot check
+// them on the host checks here, before any rank moves data (the cpu path checks them in
+// Dispatch).
 type NotifyOp struct {
 	Config                                       Config
 	NumTokens, NumExperts, ExpertAlignment       int
@@ -81,6 +84,7 @@ type NotifyOp struct {
 	PerRank, PerExpert, InRank                   dlpack.Tensor
 	RankPrefix, ChannelPrefix, RecvChannelPrefix dlpack.Tensor
 	RecvPerExpert                                dlpack.Tensor
+	TopkIdx                                      dlpack.Tensor
 }
 
 // DispatchOp is a checked dispatch (see normal.DispatchArgs); TopkIdx is absent when cached.
@@ -166,6 +170,7 @@ type NotifyArgs struct {
 	NumTokensPerRank, NumTokensPerExpert, IsTokenInRank uintptr
 	RankPrefixMatrix, ChannelPrefixMatrix               uintptr
 	RecvChannelPrefixMatrix, NumRecvTokensPerExpert     uintptr
+	TopkIdx                                             uintptr // optional: the dispatch's topk_idx
 }
 
 // Notify exchanges a dispatch's counts with every peer and returns how many rows this rank
@@ -184,6 +189,9 @@ func (b *Buffer) Notify(a NotifyArgs) (int, error) {
 	op.ChannelPrefix = ts.Get("channel_prefix_matrix", a.ChannelPrefixMatrix, false, i32, R, C)
 	op.RecvChannelPrefix = ts.Get("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, false, i32, R, C)
 	op.RecvPerExpert = ts.Get("num_recv_tokens_per_expert", a.NumRecvTokensPerExpert, false, i32, int64(a.NumExperts)/R)
+	if ts.Err == nil {
+		op.TopkIdx = ts.Get("topk_idx", a.TopkIdx, true, i64, op.InRank.Shape[0], -1)
+	}
 	if ts.Err != nil {
 		return 0, ts.Err
 	}

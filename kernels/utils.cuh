@@ -8,6 +8,10 @@
 
 #define PYEP_DEVICE __device__ __forceinline__
 
+// Shared memory of a kernel, declared inside it: PYEP_SHARED(i32, name, n) is an array of n.
+// (A macro so that the host emulation of the kernels can give each block its own.)
+#define PYEP_SHARED(T, name, n) __shared__ T name[n]
+
 namespace pyep {
 
 // ---------------------------------------------------------------------------------------------
@@ -213,6 +217,147 @@ PYEP_DEVICE bool wait_until(Ready ready, ErrorRecord* rec, i32 rank, i32 channel
             return false;
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bulk data movement. Rows move as vectors of VEC bytes (16 where the row size and every base
+// address allow it); Vec<N>::T is the register type of one vector.
+
+template <int N> struct Vec;
+template <> struct Vec<16> { typedef int4 T; };
+template <> struct Vec<8> { typedef int2 T; };
+template <> struct Vec<4> { typedef int T; };
+template <> struct Vec<2> { typedef short T; };
+template <> struct Vec<1> { typedef char T; };
+
+// Read-only inputs (tensors no kernel writes while we run): the non-coherent path, and no L1
+// allocation since every byte is read once.
+PYEP_DEVICE int4 ld_nc(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+PYEP_DEVICE int2 ld_nc(const int2* p) {
+    int2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+PYEP_DEVICE int ld_nc(const int* p) {
+    int v;
+    asm volatile("ld.global.nc.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+PYEP_DEVICE short ld_nc(const short* p) {
+    short v;
+    asm volatile("ld.global.nc.L1::no_allocate.s16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+PYEP_DEVICE char ld_nc(const char* p) {
+    short v;
+    asm volatile("ld.global.nc.L1::no_allocate.s8 %0, [%1];" : "=h"(v) : "l"(p));
+    return static_cast<char>(v);
+}
+PYEP_DEVICE float ld_nc(const float* p) { return __int_as_float(ld_nc(reinterpret_cast<const int*>(p))); }
+PYEP_DEVICE i64 ld_nc(const i64* p) {
+    i64 v;
+    asm volatile("ld.global.nc.L1::no_allocate.s64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+
+// Memory that other GPUs write while we run (the rings in our own buffer): relaxed loads at
+// gpu scope are served by L2, which NVLink writes land in, never by a stale L1 line. The
+// ordering comes from the acquire of the ring's tail that precedes them.
+PYEP_DEVICE int4 ld_ring(const int4* p) {
+    int4 v;
+    asm volatile("ld.relaxed.gpu.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+PYEP_DEVICE int2 ld_ring(const int2* p) {
+    int2 v;
+    asm volatile("ld.relaxed.gpu.global.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+    return v;
+}
+PYEP_DEVICE int ld_ring(const int* p) {
+    int v;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+PYEP_DEVICE short ld_ring(const short* p) {
+    short v;
+    asm volatile("ld.relaxed.gpu.global.s16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return v;
+}
+PYEP_DEVICE char ld_ring(const char* p) {
+    short v;
+    asm volatile("ld.relaxed.gpu.global.s8 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return static_cast<char>(v);
+}
+PYEP_DEVICE float ld_ring(const float* p) { return __int_as_float(ld_ring(reinterpret_cast<const int*>(p))); }
+PYEP_DEVICE i64 ld_ring(const i64* p) {
+    i64 v;
+    asm volatile("ld.relaxed.gpu.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Streaming stores (outputs, peers' rings): no L1 allocation.
+PYEP_DEVICE void st_na(int4* p, int4 v) {
+    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"
+                 ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+PYEP_DEVICE void st_na(int2* p, int2 v) {
+    asm volatile("st.global.L1::no_allocate.v2.s32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+PYEP_DEVICE void st_na(int* p, int v) {
+    asm volatile("st.global.L1::no_allocate.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+PYEP_DEVICE void st_na(short* p, short v) {
+    asm volatile("st.global.L1::no_allocate.s16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+}
+PYEP_DEVICE void st_na(char* p, char v) {
+    asm volatile("st.global.L1::no_allocate.s8 [%0], %1;" ::"l"(p), "h"(static_cast<short>(v)) : "memory");
+}
+
+// A zero vector of any of the Vec types.
+template <typename V> PYEP_DEVICE V vec_zero() {
+    V v;
+    char* b = reinterpret_cast<char*>(&v);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(V)); i++) b[i] = 0;
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block- and warp-level synchronisation beyond __syncthreads.
+
+// Named barrier id (1..15; 0 is __syncthreads') over the first n threads that reach it; n is a
+// multiple of 32. Lets the warp groups of one block synchronise independently.
+PYEP_DEVICE void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+
+// Shared-memory flags between warps of one block (generic addresses of shared memory).
+PYEP_DEVICE i32 ld_acquire_cta(const i32* p) {
+    i32 v;
+    asm volatile("ld.acquire.cta.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+PYEP_DEVICE void st_release_cta(i32* p, i32 v) {
+    asm volatile("st.release.cta.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Compare-and-swap at system scope on device memory (own or a peer's over NVLink).
+PYEP_DEVICE u64 atomic_cas_sys(u64* p, u64 expected, u64 desired) {
+    u64 old;
+    asm volatile("atom.relaxed.sys.global.cas.b64 %0, [%1], %2, %3;"
+                 : "=l"(old) : "l"(p), "l"(expected), "l"(desired) : "memory");
+    return old;
+}
+
+// Lanes below this one, as a mask (for ranking a lane among the set bits of a ballot).
+PYEP_DEVICE u32 lanemask_lt() {
+    u32 m;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+    return m;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -2,8 +2,13 @@ package pyep
 
 import (
 	"fmt"
+	"strconv"
+	"strings"
+	"time"
 
+	"github.com/pyep/pyep/goep"
 	"github.com/pyep/pyep/goep/cuda"
+	"github.com/pyep/pyep/goep/jit"
 )
 
 // BufferCommStream is the raw CUstream of the buffer's communication stream (cuda backend),
@@ -19,4 +24,51 @@ func BufferCommStream(id int64) (stream uintptr, err error) {
 		return 0, fmt.Errorf("the %s backend has no CUDA stream: get_comm_stream() needs the cuda backend (an NCCL group on GPUs)", b.Backend().Name())
 	}
 	return be.CommStream().Raw(), nil
+}
+
+// BufferRecvPerExpert is num_recv_tokens_per_expert of the buffer's last dispatch notify on
+// the cuda backend, space-separated: the host's copy, so reading it waits for no stream.
+func BufferRecvPerExpert(id int64) (counts string, err error) {
+	defer guard("BufferRecvPerExpert", &err)
+	b, err := lookup(id)
+	if err != nil {
+		return "", err
+	}
+	be, ok := b.Backend().(*cuda.Backend)
+	if !ok {
+		return "", fmt.Errorf("the %s backend keeps no host copy of the counts", b.Backend().Name())
+	}
+	peers, err := b.Peers()
+	if err != nil {
+		return "", err
+	}
+	vals, err := be.RecvPerExpert(peers[b.Topology().NVLRank])
+	if err != nil {
+		return "", err
+	}
+	var sb strings.Builder
+	for i, v := range vals {
+		if i > 0 {
+			sb.WriteByte(' ')
+		}
+		sb.WriteString(strconv.Itoa(int(v)))
+	}
+	return sb.String(), nil
+}
+
+// SetOpTimeout sets the bound of the cuda kernels' waits on peers, in seconds, for calls made
+// from now on (PYEP_TIMEOUT_S sets it at start-up); tests shorten it.
+func SetOpTimeout(seconds float64) (err error) {
+	defer guard("SetOpTimeout", &err)
+	if !(seconds > 0) || seconds > 1e6 {
+		return goep.Argf("seconds = %v: expected a positive number", seconds)
+	}
+	cuda.SetOpTimeout(time.Duration(seconds * float64(time.Second)))
+	return nil
+}
+
+// JITStats is how this process's kernel cache answered so far: "memory_hits disk_hits compiles".
+func JITStats() string {
+	s := jit.Default().Stats()
+	return fmt.Sprintf("%d %d %d", s.MemoryHits, s.DiskHits, s.Compiles)
 }

@@ -19,10 +19,10 @@ func Layout(id int64, topkIdx uintptr, numExperts int, perRank, perExpert, inRan
 }
 
 // DispatchNotify is the count exchange of a non-cached dispatch; it returns the rows this rank
-// receives.
+// receives. topkIdx (0 for None) is the dispatch's topk_idx, checked there on the cuda backend.
 func DispatchNotify(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int,
 	numExperts, expertAlignment, numWorstTokens int,
-	perRank, perExpert, inRank, rankPrefix, channelPrefix, recvChannelPrefix, recvPerExpert uintptr) (n int, err error) {
+	perRank, perExpert, inRank, rankPrefix, channelPrefix, recvChannelPrefix, recvPerExpert, topkIdx uintptr) (n int, err error) {
 	defer guard("DispatchNotify", &err)
 	b, err := lookup(id)
 	if err != nil {
@@ -35,7 +35,7 @@ func DispatchNotify(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int,
 	return b.Notify(goep.NotifyArgs{Config: cfg, NumExperts: numExperts, ExpertAlignment: expertAlignment,
 		NumWorstTokens: numWorstTokens, NumTokensPerRank: perRank, NumTokensPerExpert: perExpert,
 		IsTokenInRank: inRank, RankPrefixMatrix: rankPrefix, ChannelPrefixMatrix: channelPrefix,
-		RecvChannelPrefixMatrix: recvChannelPrefix, NumRecvTokensPerExpert: recvPerExpert})
+		RecvChannelPrefixMatrix: recvChannelPrefix, NumRecvTokensPerExpert: recvPerExpert, TopkIdx: topkIdx})
 }
 
 // Dispatch is the data phase of dispatch (cached when topkIdx is 0).

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 DEVICE = os.environ.get("PYEP_TEST_DEVICE", "cpu")
+# Recommended configs are DeepEP's table in tests, whatever a bench --tune run left on this machine.
+os.environ.setdefault("PYEP_TUNING_FILE", os.path.join(tempfile.gettempdir(), "pyep-tests-no-tuning.json"))
 
 # A collective test that fails on one rank must not leave the others waiting for half an hour.
 GROUP_TIMEOUT = timedelta(seconds=int(os.environ.get("PYEP_TEST_GROUP_TIMEOUT", "120")))

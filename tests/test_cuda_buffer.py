@@ -230,8 +230,10 @@ def test_cuda_backend_argument_errors(nccl, rank, num_ranks):
 
 
 def test_comm_stream_needs_the_cuda_backend(group):
-    buffer = pyep.Buffer(group, NVL_BYTES)  # gloo: the cpu backend
+    gloo = dist.new_group(backend="gloo")  # its own gloo group: the session's is NCCL on GPU runs
+    buffer = pyep.Buffer(gloo, NVL_BYTES, explicitly_destroy=True)  # gloo: the cpu backend
     assert buffer.runtime.backend == "cpu"
     with pytest.raises(pyep.PyepError, match="cpu backend has no CUDA stream"):
         buffer.get_comm_stream()
-    dist.barrier(group)
+    buffer.destroy()
+    dist.barrier(gloo)

@@ -86,6 +86,9 @@ type Backend struct {
 
 	syncMu  sync.Mutex
 	syncing *syncCall // the bounded device synchronisation in flight, if any
+
+	normalOnce sync.Once
+	normal     *normalEngine // normal mode (normal.go), made on first use
 }
 
 var _ goep.Backend = (*Backend)(nil)
@@ -382,6 +385,7 @@ func (l *localRegion) Close() error {
 		b.defer_(l)
 		return fmt.Errorf("pyep: cuda: freeing this rank's buffer: %w; its memory is kept", err)
 	}
+	b.forgetNormal(l)
 	mapped, err := b.stillMapped(l, b.timeout)
 	if err == nil && len(mapped) > 0 {
 		err = fmt.Errorf("pyep: cuda: %s this rank's buffer after %v (not destroyed there yet, or exited): "+

@@ -21,4 +21,9 @@
 // Destroy, CheckPeers' NVLink check over NVML (NVLinkProbe), pyep's communication stream and
 // StreamWait, and HostCounters (mapped host memory the CPU waits on with a timeout).
 // SharedBackend is the one per GPU and process that the Python binding uses.
+//
+// normal.go makes Backend a goep.NormalEngine: normal mode's kernels (kernels/layout.cu,
+// kernels/intranode.cu) compiled by goep/jit for the GPU and the call's shape, launched on the
+// communication stream. goep/cuda/emu runs the same kernels on the host under the fake driver,
+// so the engine and the kernels are tested without a GPU.
 package cuda

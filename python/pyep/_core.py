@@ -8,6 +8,23 @@ import gc
 import os
 import sys
 
+
+def _site_packages():
+    """Where PyTorch's NVIDIA wheels (NVRTC among them) may be: the Go core reads PYEP_SITE_PACKAGES once, when
+    the extension loads, so it is set before."""
+    import site
+    dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
+    try:
+        import torch
+        dirs.insert(0, os.path.dirname(os.path.dirname(torch.__file__)))
+    except ImportError:
+        pass
+    return ":".join(d for d in dirs if d)
+
+
+if not os.environ.get("PYEP_SITE_PACKAGES"):
+    os.environ["PYEP_SITE_PACKAGES"] = _site_packages()
+
 _saved_flags = sys.getdlopenflags()
 sys.setdlopenflags(os.RTLD_LAZY | (_saved_flags & ~(os.RTLD_NOW | os.RTLD_GLOBAL)))
 try:

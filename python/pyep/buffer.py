@@ -1,5 +1,6 @@
 """Buffer: DeepEP V1's expert-parallel communication buffer, over pyep's Go core."""
 import atexit
+import contextlib
 import ctypes
 import os
 import weakref
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from . import _core
 from .config import Config
+from .tuning import load_tuned
 from .utils import EventHandle, EventOverlap
 
 # The dtype of expert indices that every API takes (DeepEP's deep_ep.topk_idx_t).
@@ -188,7 +190,10 @@ _live: "weakref.WeakSet[Buffer]" = weakref.WeakSet()
 
 @atexit.register
 def _release_all() -> None:
-    for buffer in list(_live):
+    # In creation order, the same on every rank: on cuda, destroying a buffer waits until every peer has released
+    # its mapping, which a peer does when it destroys the same buffer, so ranks must go through them alike (a
+    # WeakSet's order differs between processes, and two ranks each waiting on another buffer would both time out).
+    for buffer in sorted(_live, key=lambda b: b.runtime.id if getattr(b, "runtime", None) is not None else -1):
         buffer._release()
 
 
@@ -255,6 +260,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self._handles = weakref.WeakValueDictionary()
+        self._comm_stream = None
         self.runtime = _Runtime(_backend_for(group), self.rank, self.group_size, num_nvl_bytes, num_rdma_bytes,
                                 low_latency_mode, explicitly_destroy, enable_shrink, use_fabric)
         _live.add(self)
@@ -354,13 +360,16 @@ class Buffer:
         Returns:
             stream: a `torch.cuda.ExternalStream` (a `torch.cuda.Stream`) wrapping it.
         """
-        raw = _core.call("BufferCommStream", self.runtime.id)
-        return torch.cuda.ExternalStream(raw, device=torch.device("cuda", self.runtime.get_local_device_id()))
+        if self._comm_stream is None:
+            raw = _core.call("BufferCommStream", self.runtime.id)
+            self._comm_stream = torch.cuda.ExternalStream(raw, device=torch.device("cuda", self.runtime.get_local_device_id()))
+        return self._comm_stream
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         """
-        Gets DeepEP V1's recommended dispatch config for `num_ranks` ranks, with `Buffer.num_sms` SMs.
+        Gets the recommended dispatch config for `num_ranks` ranks with `Buffer.num_sms` SMs: this machine's tuned
+        one when `python -m pyep.bench --tune` wrote a tuning file, DeepEP V1's table otherwise.
 
         Arguments:
             num_ranks: the number of ranks.
@@ -368,12 +377,13 @@ class Buffer:
         Returns:
             config: the recommended config.
         """
-        return Config._recommended("dispatch", num_ranks, Buffer.num_sms)
+        return load_tuned("dispatch", num_ranks, Buffer.num_sms) or Config._recommended("dispatch", num_ranks, Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         """
-        Gets DeepEP V1's recommended combine config for `num_ranks` ranks, with `Buffer.num_sms` SMs.
+        Gets the recommended combine config for `num_ranks` ranks with `Buffer.num_sms` SMs: this machine's tuned
+        one when `python -m pyep.bench --tune` wrote a tuning file, DeepEP V1's table otherwise.
 
         Arguments:
             num_ranks: the number of ranks.
@@ -381,7 +391,7 @@ class Buffer:
         Returns:
             config: the recommended config.
         """
-        return Config._recommended("combine", num_ranks, Buffer.num_sms)
+        return load_tuned("combine", num_ranks, Buffer.num_sms) or Config._recommended("combine", num_ranks, Buffer.num_sms)
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
@@ -421,17 +431,49 @@ class Buffer:
         return torch.device("cpu") if dev < 0 else torch.device("cuda", dev)
 
     def _events(self, previous_event: Optional[EventOverlap], async_finish: bool,
-                allocate_on_comm_stream: bool) -> None:
+                allocate_on_comm_stream: bool) -> Optional[tuple]:
+        """Orders the call after its inputs. On cuda (DeepEP's semantics) the communication stream waits for
+        previous_event, or else for the current stream, and the result is (comm, compute, allocate_on_comm_stream)
+        for _allocating and _finish; on cpu the host waits and the result is None."""
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and not (previous_event is not None and async_finish):
             raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True")
-        if previous_event is not None and previous_event.event is not None:
-            previous_event.event.synchronize()
+        if self.runtime.backend != "cuda":
+            if previous_event is not None and previous_event.event is not None:
+                previous_event.event.synchronize()
+            return None
+        comm, compute = self.get_comm_stream(), torch.cuda.current_stream()
+        handle = previous_event.event if previous_event is not None else None
+        if handle is not None and handle.event is not None:
+            comm.wait_event(handle.event)
+        else:
+            comm.wait_stream(compute)
+        return comm, compute, allocate_on_comm_stream
 
-    def _finish(self, async_finish: bool, tensors: tuple) -> EventOverlap:
-        # The cpu backend has finished when its call returns: the event is already complete.
-        return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
+    @staticmethod
+    def _allocating(streams: Optional[tuple]):
+        """Where outputs are allocated: on the communication stream with allocate_on_comm_stream."""
+        if streams is not None and streams[2]:
+            return torch.cuda.stream(streams[0])
+        return contextlib.nullcontext()
+
+    def _finish(self, async_finish: bool, tensors: tuple, streams: Optional[tuple] = None) -> EventOverlap:
+        if streams is None:
+            # The cpu backend has finished when its call returns: the event is already complete.
+            return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
+        comm, compute, on_comm = streams
+        if not async_finish:
+            compute.wait_stream(comm)
+            return EventOverlap(None)
+        # The tensors stay allocated until the communication stream is past this call (and, when they were
+        # allocated there, until the compute stream is past what it has queued so far).
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(comm)
+                if on_comm:
+                    t.record_stream(compute)
+        return EventOverlap(EventHandle(stream=comm), tensors)
 
     def _config(self, config: Optional[Config], default) -> Config:
         if config is None:
@@ -480,16 +522,18 @@ class Buffer:
         _check_int("num_experts", num_experts, 1)
         if num_experts % self.group_size:
             raise ValueError(f"num_experts = {num_experts}: expected a multiple of num_ranks = {self.group_size}")
-        self._events(previous_event, async_finish, allocate_on_comm_stream)
-        per_rank = torch.empty(self.group_size, dtype=torch.int32, device=device)
-        per_expert = torch.empty(num_experts, dtype=torch.int32, device=device)
-        in_rank = torch.empty((topk_idx.size(0), self.group_size), dtype=torch.bool, device=device)
+        streams = self._events(previous_event, async_finish, allocate_on_comm_stream)
+        with self._allocating(streams):
+            per_rank = torch.empty(self.group_size, dtype=torch.int32, device=device)
+            per_expert = torch.empty(num_experts, dtype=torch.int32, device=device)
+            in_rank = torch.empty((topk_idx.size(0), self.group_size), dtype=torch.bool, device=device)
         dl = _DLPack()
         _core.call("Layout", self.runtime.id, dl(topk_idx), num_experts, dl(per_rank), dl(per_expert), dl(in_rank))
         per_rdma_rank = None
         if self.runtime.get_num_rdma_ranks() > 1:
             per_rdma_rank = per_rank.view(-1, 8).sum(1, dtype=torch.int32)
-        return per_rank, per_rdma_rank, per_expert, in_rank, self._finish(async_finish, (topk_idx,))
+        return per_rank, per_rdma_rank, per_expert, in_rank, self._finish(
+            async_finish, (topk_idx, per_rank, per_expert, in_rank), streams)
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[Tuple] = None,
@@ -553,7 +597,7 @@ class Buffer:
         num_tokens, R = x.size(0), self.group_size
         _check_int("expert_alignment", expert_alignment, 1)
         _check_int("num_worst_tokens", num_worst_tokens, 0)
-        self._events(previous_event, async_finish, allocate_on_comm_stream)
+        streams = self._events(previous_event, async_finish, allocate_on_comm_stream)
         fields = (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
                   config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
         channels = config.num_sms // 2
@@ -567,12 +611,14 @@ class Buffer:
             if channel_prefix.shape != (R, channels):
                 raise ValueError(f"config: {channels} channels, the handle's dispatch used {channel_prefix.size(1)}")
             rows = recv_src_idx.size(0)
-            recv_x = torch.empty((rows, x.size(1)), dtype=x.dtype, device=device)
-            recv_scales = None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=device)
+            with self._allocating(streams):
+                recv_x = torch.empty((rows, x.size(1)), dtype=x.dtype, device=device)
+                recv_scales = None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=device)
             _core.call("Dispatch", self.runtime.id, *fields, 0, rows, dl(x), dl(x_scales), 0, 0, dl(is_token_in_rank),
                        dl(rank_prefix), dl(channel_prefix), dl(recv_x), dl(recv_scales), 0, 0, 0, 0, 0)
             recv = recv_x if x_scales is None else (recv_x, recv_scales)
-            return recv, None, None, None, None, self._finish(async_finish, (x, x_scales, recv_x, recv_scales))
+            return recv, None, None, None, None, self._finish(
+                async_finish, (x, x_scales, is_token_in_rank, rank_prefix, channel_prefix, recv_x, recv_scales), streams)
 
         for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                         ("num_tokens_per_expert", num_tokens_per_expert)):
@@ -590,30 +636,40 @@ class Buffer:
             _check_tensor("topk_idx", topk_idx, (topk_idx_t,), (num_tokens, None), device)
             _check_tensor("topk_weights", topk_weights, (torch.float32,), (num_tokens, topk_idx.size(1)), device)
 
-        rank_prefix = torch.empty((R, R), dtype=torch.int32, device=device)
-        channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=device)
-        recv_channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=device)
-        recv_per_expert = torch.empty(num_experts // R, dtype=torch.int32, device=device)
+        with self._allocating(streams):
+            rank_prefix = torch.empty((R, R), dtype=torch.int32, device=device)
+            channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=device)
+            recv_channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=device)
+            recv_per_expert = torch.empty(num_experts // R, dtype=torch.int32, device=device)
         num_recv = _core.call("DispatchNotify", self.runtime.id, *fields, num_experts, expert_alignment, num_worst_tokens,
                               dl(num_tokens_per_rank), dl(num_tokens_per_expert), dl(is_token_in_rank),
-                              dl(rank_prefix), dl(channel_prefix), dl(recv_channel_prefix), dl(recv_per_expert))
+                              dl(rank_prefix), dl(channel_prefix), dl(recv_channel_prefix), dl(recv_per_expert),
+                              dl(topk_idx))
         rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
-        recv_x = torch.empty((rows, x.size(1)), dtype=x.dtype, device=device)
-        recv_scales = None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=device)
-        recv_src_idx = torch.empty(rows, dtype=torch.int32, device=device)
-        recv_topk_idx = recv_topk_weights = None
-        if topk_idx is not None:
-            recv_topk_idx = torch.empty((rows, topk_idx.size(1)), dtype=topk_idx_t, device=device)
-            recv_topk_weights = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=device)
-        send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=device)
+        with self._allocating(streams):
+            recv_x = torch.empty((rows, x.size(1)), dtype=x.dtype, device=device)
+            recv_scales = None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=device)
+            recv_src_idx = torch.empty(rows, dtype=torch.int32, device=device)
+            recv_topk_idx = recv_topk_weights = None
+            if topk_idx is not None:
+                recv_topk_idx = torch.empty((rows, topk_idx.size(1)), dtype=topk_idx_t, device=device)
+                recv_topk_weights = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=device)
+            send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=device)
         _core.call("Dispatch", self.runtime.id, *fields, num_experts, num_worst_tokens, dl(x), dl(x_scales), dl(topk_idx),
                    dl(topk_weights), dl(is_token_in_rank), dl(rank_prefix), dl(channel_prefix), dl(recv_x),
                    dl(recv_scales), dl(recv_src_idx), dl(recv_topk_idx), dl(recv_topk_weights), 0, dl(send_head))
         handle = self._remember((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head))
-        per_expert_list = [] if num_worst_tokens > 0 else recv_per_expert.tolist()
+        if num_worst_tokens > 0:
+            per_expert_list = []
+        elif streams is None:
+            per_expert_list = recv_per_expert.tolist()
+        else:
+            # The host's copy from notify: reading the tensor would wait for the streams.
+            per_expert_list = [int(v) for v in _core.call("BufferRecvPerExpert", self.runtime.id).split()]
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
-        event = self._finish(async_finish, (x, x_scales, topk_idx, topk_weights, recv_x, recv_scales, recv_topk_idx,
-                                            recv_topk_weights) + handle)
+        event = self._finish(async_finish, (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
+                                            recv_per_expert, recv_x, recv_scales, recv_topk_idx, recv_topk_weights) + handle,
+                             streams)
         return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, event
 
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
@@ -667,11 +723,12 @@ class Buffer:
         for i, b in enumerate(biases):
             if b is not None:
                 _check_tensor(f"bias[{i}]", b, (x.dtype,), (num_tokens, x.size(1)), device)
-        self._events(previous_event, async_finish, allocate_on_comm_stream)
-        combined_x = torch.empty((num_tokens, x.size(1)), dtype=x.dtype, device=device)
-        combined_weights = None
-        if topk_weights is not None:
-            combined_weights = torch.empty((num_tokens, topk_weights.size(1)), dtype=torch.float32, device=device)
+        streams = self._events(previous_event, async_finish, allocate_on_comm_stream)
+        with self._allocating(streams):
+            combined_x = torch.empty((num_tokens, x.size(1)), dtype=x.dtype, device=device)
+            combined_weights = None
+            if topk_weights is not None:
+                combined_weights = torch.empty((num_tokens, topk_weights.size(1)), dtype=torch.float32, device=device)
         dl = _DLPack()
         # Rows past the dispatch's received rows are num_worst_tokens padding: they do not move.
         _core.call("Combine", self.runtime.id, config.num_sms, config.num_max_nvl_chunked_send_tokens,
@@ -679,4 +736,6 @@ class Buffer:
                    config.num_max_rdma_chunked_recv_tokens, dl(x), dl(topk_weights), dl(src_idx), dl(rank_prefix),
                    dl(recv_channel_prefix), dl(send_head), dl(biases[0]), dl(biases[1]), dl(combined_x),
                    dl(combined_weights))
-        return combined_x, combined_weights, self._finish(async_finish, (x, topk_weights, combined_x, combined_weights))
+        return combined_x, combined_weights, self._finish(
+            async_finish, (x, topk_weights, src_idx, rank_prefix, recv_channel_prefix, send_head) + biases +
+            (combined_x, combined_weights), streams)

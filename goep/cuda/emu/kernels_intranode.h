@@ -1,0 +1,1 @@
+../../../kernels/intranode.cu

@@ -1,0 +1,1180 @@
+// intranode.cu: normal-mode dispatch and combine within one NVLink domain.
+//
+// One source, three sets of kernels, chosen by a define (the host compiles each set with the
+// constants it is specialised on):
+//   PYEP_NOTIFY    pyep_notify (the count exchange of a dispatch) and pyep_prologue (the
+//                  barrier + counter reset in front of a cached dispatch or a combine);
+//                  constants: PYEP_RANKS.
+//   PYEP_DISPATCH  pyep_dispatch; constants: PYEP_RANKS, PYEP_HIDDEN_BYTES, PYEP_SCALES_BYTES,
+//                  PYEP_TOPK, PYEP_VEC.
+//   PYEP_COMBINE   pyep_combine; constants: PYEP_RANKS, PYEP_HIDDEN, PYEP_DTYPE (1 bf16,
+//                  2 fp16, 3 fp32), PYEP_TOPK, PYEP_VEC.
+//
+// pyep:defines PYEP_NOTIFY PYEP_RANKS=2
+// pyep:defines PYEP_NOTIFY PYEP_RANKS=8
+// pyep:defines PYEP_DISPATCH PYEP_RANKS=4 PYEP_HIDDEN_BYTES=14336 PYEP_SCALES_BYTES=0 PYEP_TOPK=8 PYEP_VEC=16
+// pyep:defines PYEP_DISPATCH PYEP_RANKS=8 PYEP_HIDDEN_BYTES=7168 PYEP_SCALES_BYTES=224 PYEP_TOPK=8 PYEP_VEC=16
+// pyep:defines PYEP_DISPATCH PYEP_RANKS=3 PYEP_HIDDEN_BYTES=5760 PYEP_SCALES_BYTES=0 PYEP_TOPK=0 PYEP_VEC=16
+// pyep:defines PYEP_DISPATCH PYEP_RANKS=2 PYEP_HIDDEN_BYTES=198 PYEP_SCALES_BYTES=4 PYEP_TOPK=9 PYEP_VEC=2
+// pyep:defines PYEP_COMBINE PYEP_RANKS=4 PYEP_HIDDEN=7168 PYEP_DTYPE=1 PYEP_TOPK=8 PYEP_VEC=16
+// pyep:defines PYEP_COMBINE PYEP_RANKS=8 PYEP_HIDDEN=2880 PYEP_DTYPE=2 PYEP_TOPK=0 PYEP_VEC=16
+// pyep:defines PYEP_COMBINE PYEP_RANKS=1 PYEP_HIDDEN=100 PYEP_DTYPE=3 PYEP_TOPK=33 PYEP_VEC=16
+// pyep:defines PYEP_COMBINE PYEP_RANKS=5 PYEP_HIDDEN=99 PYEP_DTYPE=1 PYEP_TOPK=1 PYEP_VEC=2
+//
+// # Memory
+//
+// Every rank's data region (num_nvl_bytes) holds, for one call:
+//
+//   [tails: u64 [C*R]][heads: u32 [C*R]][ring slot fields ...]      ...      [notify scratch]
+//
+// Ring (c, s -> r), for channel c from sender s to receiver r, lives in r's region: its slots
+// (one array per field, all rings' slots of a field in one array), and its tail word
+// tails[c*R + s] there, which s writes: (count + 1) << 32 | tokens pushed so far, count being
+// what s will push on it in this call (0: not announced yet). Its head word, the tokens r has
+// consumed, lives in the sender's region, heads[c*R + r] of s, written by r: so both sides
+// poll their own memory and only write across NVLink.
+//
+// Counters are reset by their owner between two barriers at the start of every call (notify
+// does it for the dispatch that follows it, pyep_prologue for a cached dispatch or a combine):
+// after the first barrier no peer still runs an earlier kernel that writes here, after the
+// second every counter of every rank is zero.
+//
+// Control region (goep.ControlBytes, zeroed at allocation): barrier signals (one u64 per rank,
+// the sequence number of the last barrier that rank reached; the host numbers barriers, every
+// rank alike), the abort word and the claim of the error record.
+//
+// # Ordering
+//
+// Data is written with plain stores, then published by a st.release.sys of a tail (sender) or
+// head (receiver) after a named barrier of the warps that wrote it; the other side polls with
+// ld.acquire.sys, then reads the ring with relaxed loads at gpu scope (served by L2, never a
+// stale L1 line) after a barrier with the polling thread.
+//
+// # Failures
+//
+// Every wait is bounded by ctx.timeout_ns (PYEP_TIMEOUT_S). The first failure of a rank claims
+// its error record (host-mapped memory the host reads at its next call) and sets the abort
+// word of the rank and of every peer; every wait polls the abort word, so all ranks stop
+// within a poll instead of each waiting for its own timeout, and a later kernel on a buffer
+// whose abort word is set returns at once. The host then refuses the buffer.
+#ifdef PYEP_EMU
+#include "emu.h"
+#else
+#include "utils.cuh"
+#endif
+
+namespace pyep {
+
+#ifndef PYEP_RANKS
+#define PYEP_RANKS 2
+#endif
+#ifndef PYEP_THREADS
+#define PYEP_THREADS 768
+#endif
+#ifndef PYEP_NOTIFY_THREADS
+#define PYEP_NOTIFY_THREADS 1024
+#endif
+
+constexpr int kRanks = PYEP_RANKS;
+constexpr int kThreads = PYEP_THREADS;
+constexpr int kWarps = kThreads / 32;
+static_assert(kRanks >= 1 && kRanks <= 8, "1 to 8 ranks");
+static_assert(kThreads % 32 == 0 && kWarps >= kRanks + 1, "a warp per rank at least, plus one");
+
+// Everything a kernel needs about the call and the domain; mirrored by the host (goep/cuda).
+struct Ctx {
+    u64 data[8];        // data region of NVLink rank i, as mapped here
+    u64 ctl[8];         // control region of NVLink rank i
+    u64 err;            // OpError in host-mapped memory
+    u64 seq;            // this call's first barrier number (the second is seq + 1)
+    u64 timeout_ns;     // bound of every wait
+    u64 counter_bytes;  // tails and heads: the first counter_bytes of every data region
+    u64 head_off;       // offset of the heads array
+    i32 rank;           // this rank's NVLink rank
+    i32 num_channels;   // C
+    i32 ring_slots;     // slots of every ring (num_max_nvl_chunked_recv_tokens)
+    i32 chunk;          // most tokens pushed per step (num_max_nvl_chunked_send_tokens)
+};
+static_assert(sizeof(Ctx) == 184, "Ctx layout is shared with the host");
+
+// Control region offsets.
+constexpr int kCtlSignals = 0;  // u64 [8]
+constexpr int kCtlAbort = 64;   // u64
+constexpr int kCtlClaim = 72;   // u32
+
+// The host reads this; layout shared with goep/cuda (64 bytes).
+struct OpError {
+    u32 code;  // published last
+    i32 op;
+    i32 rank;
+    i32 channel;
+    i32 peer;
+    i32 what;
+    i64 a, b, c;
+    u64 waited_ns;
+    u64 abort_word;  // kAborted: the word the failing peer broadcast
+};
+static_assert(sizeof(OpError) == 64, "OpError layout is shared with the host");
+
+enum : u32 { kCodeTimeout = 1, kCodeMismatch = 2, kCodeAborted = 3 };
+enum : i32 { kOpNotify = 1, kOpPrologue = 2, kOpDispatch = 3, kOpCombine = 4 };
+// What a rank waited for, or what did not match.
+enum : i32 {
+    kWaitBarrier = 1,      // peer to reach barrier a (seen b)
+    kWaitTail = 2,         // dispatch: peer to push tokens (a received of b)
+    kWaitHead = 3,         // peer to free ring slots (head a, pushed b, ring c)
+    kWaitAnnounce = 4,     // peer to announce its count for channel a
+    kWaitToken = 5,        // combine: peer to return token a (slot b, tail c)
+    kBadRows = 10,         // peer sends a rows here, rank_prefix_matrix says b
+    kBadInRank = 11,       // is_token_in_rank has a tokens for peer in the channel, channel_prefix_matrix b
+    kRowsOverflow = 12,    // rows [a, b) do not fit c output rows
+    kBadSrc = 13,          // peer returned the row of token a where send_head expects token b
+    kBadReturnCount = 14,  // peer returns a rows, send_head expects b
+    kBadChannelPrefix = 15,// channel_prefix_matrix[peer, channel] = a not within [b, c]
+    kBadSendHead = 16,     // send_head[a, peer] = b but peer returns only c rows
+};
+
+PYEP_DEVICE u64* ctl_word(const Ctx& ctx, int r, int off) { return reinterpret_cast<u64*>(ctx.ctl[r] + off); }
+PYEP_DEVICE u64* tails(const Ctx& ctx, int r) { return reinterpret_cast<u64*>(ctx.data[r]); }
+PYEP_DEVICE u32* heads(const Ctx& ctx, int r) { return reinterpret_cast<u32*>(ctx.data[r] + ctx.head_off); }
+
+// DeepEP's split of T tokens into C channels of consecutive tokens.
+PYEP_DEVICE void channel_range(i32 num_tokens, i32 num_channels, i32 c, i32& lo, i32& hi) {
+    const i32 per = (num_tokens + num_channels - 1) / num_channels;
+    lo = min(c * per, num_tokens);
+    hi = min(lo + per, num_tokens);
+}
+
+PYEP_DEVICE u64 abort_word(i32 rank, u32 code, i32 what, i32 peer, i32 channel) {
+    return (1ull << 63) | (static_cast<u64>(rank & 0x7f) << 56) | (static_cast<u64>(what & 0xff) << 48) |
+           (static_cast<u64>(peer & 0xff) << 40) | (static_cast<u64>(code & 0xff) << 32) |
+           static_cast<u64>(static_cast<u32>(channel));
+}
+
+PYEP_DEVICE int abort_origin(u64 w) { return static_cast<int>((w >> 56) & 0x7f); }
+
+// Records this rank's first failure for the host and makes every rank stop. Any thread may call
+// it; only the first call of a rank fills the record.
+PYEP_DEVICE void fail(const Ctx& ctx, i32 op, u32 code, i32 what, i32 channel, i32 peer, i64 a, i64 b, i64 c,
+                      u64 waited_ns = 0, u64 foreign = 0) {
+    const int me = ctx.rank;
+    const u64 word = foreign != 0 ? foreign : abort_word(me, code, what, peer, channel);
+    atomic_cas_sys(ctl_word(ctx, me, kCtlAbort), 0ull, word);
+    u32* claim = reinterpret_cast<u32*>(ctx.ctl[me] + kCtlClaim);
+    if (atomicCAS(claim, 0u, 1u) == 0u) {
+        OpError* e = reinterpret_cast<OpError*>(ctx.err);
+        st_relaxed_sys(&e->op, op);
+        st_relaxed_sys(&e->rank, me);
+        st_relaxed_sys(&e->channel, channel);
+        st_relaxed_sys(&e->peer, peer);
+        st_relaxed_sys(&e->what, what);
+        st_relaxed_sys(&e->a, a);
+        st_relaxed_sys(&e->b, b);
+        st_relaxed_sys(&e->c, c);
+        st_relaxed_sys(&e->waited_ns, waited_ns);
+        st_relaxed_sys(&e->abort_word, foreign);
+        st_release_sys(&e->code, code);
+    }
+    if (foreign == 0) {
+        for (int p = 0; p < kRanks; p++)
+            if (p != me) atomic_cas_sys(ctl_word(ctx, p, kCtlAbort), 0ull, word);
+    }
+}
+
+// The abort word of this rank: 0 while every rank is fine.
+PYEP_DEVICE u64 aborted(const Ctx& ctx) { return ld_volatile(ctl_word(ctx, ctx.rank, kCtlAbort)); }
+
+// Called after a poll that found the condition unmet: returns true to poll again, false (after
+// recording why, unless another thread of this rank already did) to give up.
+PYEP_DEVICE bool keep_waiting(const Ctx& ctx, u64& start, i32 op, i32 what, i32 channel, i32 peer, i64 a, i64 b,
+                              i64 c) {
+    const u64 w = aborted(ctx);
+    if (w != 0) {
+        if (abort_origin(w) != ctx.rank) fail(ctx, op, kCodeAborted, what, channel, peer, a, b, c, 0, w);
+        return false;
+    }
+    const u64 now = globaltimer();
+    if (start == 0) {
+        start = now;
+        return true;
+    }
+    if (now - start > ctx.timeout_ns) {
+        fail(ctx, op, kCodeTimeout, what, channel, peer, a, b, c, now - start);
+        return false;
+    }
+    return true;
+}
+
+// A kernel's first act: on a buffer that failed before, stop at once (recording why, so that a
+// rank that only learns of a peer's failure now reports it).
+PYEP_DEVICE bool start_ok(const Ctx& ctx, i32 op) {
+    const u64 w = aborted(ctx);
+    if (w == 0) return true;
+    if (abort_origin(w) != ctx.rank) fail(ctx, op, kCodeAborted, 0, -1, abort_origin(w), 0, 0, 0, 0, w);
+    return false;
+}
+
+// All ranks reach barrier `seq`; one full warp calls it, after a __syncthreads that orders the
+// block's earlier writes before it. Returns false (on every lane) after a failure.
+PYEP_DEVICE bool barrier(const Ctx& ctx, i32 op, u64 seq) {
+    const int lane = static_cast<int>(lane_id());
+    const int me = ctx.rank;
+    bool ok = true;
+    if (lane < kRanks) {
+        st_release_sys(ctl_word(ctx, lane, kCtlSignals) + me, seq);
+        const u64* mine = ctl_word(ctx, me, kCtlSignals) + lane;
+        u64 start = 0;
+        for (;;) {
+            const u64 seen = ld_acquire_sys(mine);
+            if (seen >= seq) break;
+            if (!keep_waiting(ctx, start, op, kWaitBarrier, -1, lane, static_cast<i64>(seq),
+                              static_cast<i64>(seen), 0)) {
+                ok = false;
+                break;
+            }
+        }
+    }
+    return __all_sync(0xffffffffu, ok);
+}
+
+#if defined(PYEP_NOTIFY)
+
+// ---------------------------------------------------------------------------------------------
+// Notify: every rank learns what every rank sends where, and checks its own arguments.
+
+constexpr int kNotifyThreads = PYEP_NOTIFY_THREADS;
+
+struct NotifyParams {
+    Ctx ctx;
+    u64 in_rank;              // bool [T, R]
+    u64 per_rank;             // i32 [R]
+    u64 per_expert;           // i32 [E]
+    u64 topk;                 // i64 [T, K], or 0
+    u64 rank_prefix;          // out i32 [R, R]
+    u64 channel_prefix;       // out i32 [R, C]
+    u64 recv_channel_prefix;  // out i32 [R, C]
+    u64 recv_per_expert;      // out i32 [E/R]
+    u64 result;               // NotifyResult in host-mapped memory
+    u64 scratch_off;          // the scratch: R blocks of block_bytes, in every data region
+    u64 block_bytes;
+    i32 num_tokens, num_topk, num_experts, alignment;
+    i32 num_worst, pad;
+};
+static_assert(sizeof(NotifyParams) == 296, "NotifyParams layout is shared with the host");
+
+// Host-mapped answer of notify; the host waits for tag == seq.
+struct NotifyResult {
+    u64 tag;
+    i32 num_recv;
+    i32 status;       // a kStatus
+    i32 bad_rank;     // kStatusPeer: the peer; kStatusWorst: the rank receiving most
+    i32 peer_status;  // kStatusPeer: the peer's own status
+    i64 d0, d1, d2;
+    // followed by i32 per_expert[E/R]
+};
+static_assert(sizeof(NotifyResult) == 48, "NotifyResult layout is shared with the host");
+
+enum : i32 {
+    kStatusOK = 0,
+    kStatusTopk = 1,       // topk_idx[d0, d1] = d2 out of range
+    kStatusPerRank = 2,    // num_tokens_per_rank[d0] = d1 but is_token_in_rank routes d2
+    kStatusPerExpert = 3,  // num_tokens_per_expert[d0] = d1 < 0
+    kStatusPeer = 4,       // rank bad_rank has invalid arguments (peer_status, d0..d2)
+    kStatusWorst = 5,      // num_worst_tokens too small: rank bad_rank receives d0
+};
+
+// Scratch block of one sender in a receiver's region: i64 status[4], i32 per_rank[R],
+// i32 counts[C] (its tokens to this receiver per channel), i32 per_expert[E/R] (for this
+// receiver's experts).
+
+extern "C" __global__ void __launch_bounds__(kNotifyThreads, 1) pyep_notify(const NotifyParams p) {
+    const Ctx& ctx = p.ctx;
+    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    constexpr int kNW = kNotifyThreads / 32;
+    const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
+    const i32 T = p.num_tokens, K = p.num_topk, E = p.num_experts, EPR = E / R;
+    PYEP_SHARED(i64, s_status, 4);
+    PYEP_SHARED(i64, s_bad_topk, 1);
+    PYEP_SHARED(i32, s_bad_expert, 1);
+    PYEP_SHARED(i32, s_sum, kRanks);
+    PYEP_SHARED(i32, s_flag, 1);
+    PYEP_SHARED(i64, s_col, kRanks);
+    if (tid == 0) {
+        s_bad_topk[0] = 0x7fffffffffffffffll;
+        s_bad_expert[0] = 0x7fffffff;
+        s_flag[0] = start_ok(ctx, kOpNotify) ? 0 : 1;
+    }
+    __syncthreads();
+    if (s_flag[0] != 0) return;
+
+    // Tokens per (channel, destination), into channel_prefix for now.
+    const u8* in_rank = reinterpret_cast<const u8*>(p.in_rank);
+    i32* cp = reinterpret_cast<i32*>(p.channel_prefix);
+    for (int c = warp; c < C; c += kNW) {
+        i32 lo, hi;
+        channel_range(T, C, c, lo, hi);
+        i32 cnt[kRanks];
+#pragma unroll
+        for (int d = 0; d < kRanks; d++) cnt[d] = 0;
+        for (i64 i = static_cast<i64>(lo) * R + lane; i < static_cast<i64>(hi) * R; i += 32) {
+            const int d = static_cast<int>(i % R);
+            const i32 v = in_rank[i] != 0 ? 1 : 0;
+#pragma unroll
+            for (int dd = 0; dd < kRanks; dd++)
+                if (dd == d) cnt[dd] += v;
+        }
+#pragma unroll
+        for (int d = 0; d < kRanks; d++) {
+            const i32 v = warp_sum(cnt[d]);
+            if (lane == 0) cp[d * C + c] = v;
+        }
+    }
+    // Our own arguments.
+    if (p.topk != 0) {
+        const i64* topk = reinterpret_cast<const i64*>(p.topk);
+        for (i64 i = tid; i < static_cast<i64>(T) * K; i += kNotifyThreads) {
+            const i64 e = topk[i];
+            if (e < -1 || e >= E) atomicMin(reinterpret_cast<long long*>(s_bad_topk), static_cast<long long>(i));
+        }
+    }
+    const i32* per_expert = reinterpret_cast<const i32*>(p.per_expert);
+    for (int e = tid; e < E; e += kNotifyThreads)
+        if (per_expert[e] < 0) atomicMin(s_bad_expert, e);
+    __syncthreads();
+    for (int d = warp; d < R; d += kNW) {
+        i32 s = 0;
+        for (int c = lane; c < C; c += 32) s += cp[d * C + c];
+        s = warp_sum(s);
+        if (lane == 0) s_sum[d] = s;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        const i32* per_rank = reinterpret_cast<const i32*>(p.per_rank);
+        i64 st[4] = {kStatusOK, 0, 0, 0};
+        if (s_bad_topk[0] != 0x7fffffffffffffffll) {
+            const i64 i = s_bad_topk[0];
+            st[0] = kStatusTopk, st[1] = i / K, st[2] = i % K, st[3] = reinterpret_cast<const i64*>(p.topk)[i];
+        } else {
+            for (int d = 0; d < R; d++) {
+                if (per_rank[d] != s_sum[d]) {
+                    st[0] = kStatusPerRank, st[1] = d, st[2] = per_rank[d], st[3] = s_sum[d];
+                    break;
+                }
+            }
+            if (st[0] == kStatusOK && s_bad_expert[0] != 0x7fffffff)
+                st[0] = kStatusPerExpert, st[1] = s_bad_expert[0], st[2] = per_expert[s_bad_expert[0]];
+        }
+        for (int i = 0; i < 4; i++) s_status[i] = st[i];
+    }
+    __syncthreads();
+
+    // Barrier: every rank is here, so nothing of an earlier call touches our memory any more.
+    if (warp == 0 && !barrier(ctx, kOpNotify, ctx.seq) && lane == 0) s_flag[0] = 1;
+    __syncthreads();
+    if (s_flag[0] != 0) return;
+
+    // Our block into every receiver's scratch; our counters to zero.
+    const i32* per_rank = reinterpret_cast<const i32*>(p.per_rank);
+    for (int d = 0; d < R; d++) {
+        u8* blk = reinterpret_cast<u8*>(ctx.data[d] + p.scratch_off + static_cast<u64>(me) * p.block_bytes);
+        i64* st = reinterpret_cast<i64*>(blk);
+        i32* ints = reinterpret_cast<i32*>(blk + 32);
+        if (tid < 4) st[tid] = s_status[tid];
+        if (tid < R) ints[tid] = per_rank[tid];
+        for (int c = tid; c < C; c += kNotifyThreads) ints[R + c] = cp[d * C + c];
+        for (int i = tid; i < EPR; i += kNotifyThreads) ints[R + C + i] = per_expert[d * EPR + i];
+    }
+    {
+        u64* z = reinterpret_cast<u64*>(ctx.data[me]);
+        for (u64 i = tid; i < ctx.counter_bytes / 8; i += kNotifyThreads) z[i] = 0;
+    }
+    __syncthreads();
+    if (warp == 0 && !barrier(ctx, kOpNotify, ctx.seq + 1) && lane == 0) s_flag[0] = 1;
+    __syncthreads();
+    if (s_flag[0] != 0) return;
+
+    // Every sender's block is in our scratch.
+    const u8* scratch = reinterpret_cast<const u8*>(ctx.data[me] + p.scratch_off);
+    auto blk_status = [&](int src, int i) -> i64 {
+        return ld_ring(reinterpret_cast<const i64*>(scratch + static_cast<u64>(src) * p.block_bytes) + i);
+    };
+    auto blk_int = [&](int src, int i) -> i32 {
+        return ld_ring(reinterpret_cast<const int*>(scratch + static_cast<u64>(src) * p.block_bytes + 32) + i);
+    };
+    i32* rank_prefix = reinterpret_cast<i32*>(p.rank_prefix);
+    if (tid < R) {
+        i64 run = 0;
+        for (int src = 0; src < R; src++) {
+            run += blk_int(src, tid);
+            rank_prefix[src * R + tid] = static_cast<i32>(run);
+        }
+        s_col[tid] = run;
+    }
+    for (int src = warp; src < R; src += kNW) {
+        // recv_channel_prefix[src][c]: exclusive prefix over channels of what src sends here.
+        i32* rcp = reinterpret_cast<i32*>(p.recv_channel_prefix);
+        i32 carry = 0;
+        for (int base = 0; base < C; base += 32) {
+            const int c = base + lane;
+            const i32 v = c < C ? blk_int(src, R + c) : 0;
+            i32 incl = v;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const i32 o = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += o;
+            }
+            if (c < C) rcp[src * C + c] = carry + incl - v;
+            carry += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        // Our own send side: inclusive prefix, in place.
+        const int d = src;
+        carry = 0;
+        for (int base = 0; base < C; base += 32) {
+            const int c = base + lane;
+            const i32 v = c < C ? cp[d * C + c] : 0;
+            i32 incl = v;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const i32 o = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += o;
+            }
+            __syncwarp();
+            if (c < C) cp[d * C + c] = carry + incl;
+            carry += __shfl_sync(0xffffffffu, incl, 31);
+        }
+    }
+    NotifyResult* res = reinterpret_cast<NotifyResult*>(p.result);
+    i32* res_experts = reinterpret_cast<i32*>(res + 1);
+    i32* recv_per_expert = reinterpret_cast<i32*>(p.recv_per_expert);
+    const i64 align = p.alignment > 0 ? p.alignment : 1;
+    for (int i = tid; i < EPR; i += kNotifyThreads) {
+        i64 n = 0;
+        for (int src = 0; src < R; src++) n += blk_int(src, R + C + i);
+        n = (n + align - 1) / align * align;
+        recv_per_expert[i] = static_cast<i32>(n);
+        st_relaxed_sys(res_experts + i, static_cast<i32>(n));
+    }
+    __syncthreads();
+    if (tid == 0) {
+        i32 status = static_cast<i32>(s_status[0]), bad_rank = -1, peer_status = 0;
+        i64 d0 = s_status[1], d1 = s_status[2], d2 = s_status[3];
+        if (status == kStatusOK) {
+            for (int src = 0; src < R; src++) {
+                const i64 ps = blk_status(src, 0);
+                if (src != me && ps != kStatusOK) {
+                    status = kStatusPeer, bad_rank = src, peer_status = static_cast<i32>(ps);
+                    d0 = blk_status(src, 1), d1 = blk_status(src, 2), d2 = blk_status(src, 3);
+                    break;
+                }
+            }
+        }
+        if (status == kStatusOK && p.num_worst > 0) {
+            int worst = -1;
+            for (int j = 0; j < R; j++)
+                if (s_col[j] > p.num_worst && (worst < 0 || s_col[j] > s_col[worst])) worst = j;
+            if (worst >= 0) status = kStatusWorst, bad_rank = worst, d0 = s_col[worst];
+        }
+        st_relaxed_sys(&res->num_recv, static_cast<i32>(s_col[me]));
+        st_relaxed_sys(&res->status, status);
+        st_relaxed_sys(&res->bad_rank, bad_rank);
+        st_relaxed_sys(&res->peer_status, peer_status);
+        st_relaxed_sys(&res->d0, d0);
+        st_relaxed_sys(&res->d1, d1);
+        st_relaxed_sys(&res->d2, d2);
+        st_release_sys(&res->tag, ctx.seq);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prologue of a cached dispatch or a combine: barrier, reset our counters, barrier.
+
+struct PrologueParams {
+    Ctx ctx;
+    i32 op, pad;
+};
+static_assert(sizeof(PrologueParams) == 192, "PrologueParams layout is shared with the host");
+
+extern "C" __global__ void __launch_bounds__(256, 1) pyep_prologue(const PrologueParams p) {
+    const Ctx& ctx = p.ctx;
+    const int tid = static_cast<int>(threadIdx.x);
+    PYEP_SHARED(i32, s_flag, 1);
+    if (tid == 0) s_flag[0] = start_ok(ctx, p.op) ? 0 : 1;
+    __syncthreads();
+    if (s_flag[0] != 0) return;
+    if (tid < 32 && !barrier(ctx, p.op, ctx.seq) && tid == 0) s_flag[0] = 1;
+    __syncthreads();
+    if (s_flag[0] != 0) return;
+    u64* z = reinterpret_cast<u64*>(ctx.data[ctx.rank]);
+    for (u64 i = tid; i < ctx.counter_bytes / 8; i += 256) z[i] = 0;
+    __syncthreads();
+    if (tid < 32) barrier(ctx, p.op, ctx.seq + 1);
+}
+
+#endif  // PYEP_NOTIFY
+
+#if defined(PYEP_DISPATCH) || defined(PYEP_COMBINE)
+
+// ---------------------------------------------------------------------------------------------
+// Shared by dispatch and combine: the warp groups of a block. Warps [g*WPR, (g+1)*WPR) serve
+// peer g; a group synchronises on named barrier 1 + g.
+
+constexpr int kWarpsPerRank = kWarps / kRanks;
+
+PYEP_DEVICE void group_sync(int g) { bar_sync(1 + g, kWarpsPerRank * 32); }
+
+// Copies n vectors from src to dst with one warp, U vectors in flight per lane.
+// Vectors in flight per lane when a warp copies a row.
+constexpr int kCopyUnroll = 8;
+
+// Every load of a round is issued before its stores (predicated, not a remainder loop).
+template <typename V, int U, bool kRingSource>
+PYEP_DEVICE void warp_copy(V* dst, const V* src, int n, int lane) {
+    for (int i = lane; i < n; i += 32 * U) {
+        V v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (i + 32 * u < n) v[u] = kRingSource ? ld_ring(src + i + 32 * u) : ld_nc(src + i + 32 * u);
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (i + 32 * u < n) st_na(dst + i + 32 * u, v[u]);
+    }
+}
+
+#endif  // PYEP_DISPATCH || PYEP_COMBINE
+
+#if defined(PYEP_DISPATCH)
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch: block 2c sends channel c's tokens to every rank, block 2c + 1 receives channel c
+// from every rank. In both, warp group g serves rank g.
+
+#ifndef PYEP_HIDDEN_BYTES
+#define PYEP_HIDDEN_BYTES 512
+#endif
+#ifndef PYEP_SCALES_BYTES
+#define PYEP_SCALES_BYTES 0
+#endif
+#ifndef PYEP_TOPK
+#define PYEP_TOPK 0
+#endif
+#ifndef PYEP_VEC
+#define PYEP_VEC 16
+#endif
+
+constexpr int kHiddenBytes = PYEP_HIDDEN_BYTES;
+constexpr int kScalesBytes = PYEP_SCALES_BYTES;
+constexpr int kTopk = PYEP_TOPK;
+constexpr int kVec = PYEP_VEC;
+static_assert(kHiddenBytes % kVec == 0 && kScalesBytes % 4 == 0, "rows are whole vectors");
+typedef typename Vec<kVec>::T V;
+
+struct DispatchParams {
+    Ctx ctx;
+    u64 x, x_scales, topk, weights, in_rank, rank_prefix, channel_prefix;
+    u64 recv_x, recv_scales, recv_src, recv_topk, recv_weights, recv_channel_prefix, send_head;
+    u64 off_hidden, off_scales, off_src, off_topk, off_weights;  // slot field arrays, all rings
+    i32 num_tokens, num_experts, num_out_rows, pad;
+};
+static_assert(sizeof(DispatchParams) == 352, "DispatchParams layout is shared with the host");
+
+// One warp copies token tok of x into slot gs (ring * slots + slot) of rank d's rings.
+PYEP_DEVICE void push_token(const DispatchParams& p, int d, i64 gs, i32 tok, int lane) {
+    u8* base = reinterpret_cast<u8*>(p.ctx.data[d]);
+    warp_copy<V, kCopyUnroll, false>(reinterpret_cast<V*>(base + p.off_hidden + gs * kHiddenBytes),
+                           reinterpret_cast<const V*>(p.x + static_cast<u64>(tok) * kHiddenBytes), kHiddenBytes / kVec,
+                           lane);
+    if (kScalesBytes > 0) {
+        float* dst = reinterpret_cast<float*>(base + p.off_scales + gs * kScalesBytes);
+        const float* src = reinterpret_cast<const float*>(p.x_scales + static_cast<u64>(tok) * kScalesBytes);
+        for (int i = lane; i < kScalesBytes / 4; i += 32) dst[i] = ld_nc(src + i);
+    }
+    if (lane == 0) reinterpret_cast<i32*>(base + p.off_src)[gs] = tok;
+    if (kTopk > 0) {
+        const i64 epr = p.num_experts / kRanks, lo = static_cast<i64>(d) * epr;
+        const i64* topk = reinterpret_cast<const i64*>(p.topk) + static_cast<i64>(tok) * kTopk;
+        const float* w = reinterpret_cast<const float*>(p.weights) + static_cast<i64>(tok) * kTopk;
+        i64* dst_idx = reinterpret_cast<i64*>(base + p.off_topk) + gs * kTopk;
+        float* dst_w = reinterpret_cast<float*>(base + p.off_weights) + gs * kTopk;
+        for (int k = lane; k < kTopk; k += 32) {
+            const i64 e = ld_nc(topk + k) - lo;
+            const bool mine = e >= 0 && e < epr;
+            dst_idx[k] = mine ? e : -1;
+            dst_w[k] = mine ? ld_nc(w + k) : 0.0f;
+        }
+    }
+}
+
+PYEP_DEVICE void dispatch_send(const DispatchParams& p, int c, int d, int wg, int lane, i32* s_flag) {
+    const Ctx& ctx = p.ctx;
+    const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
+    const i32 RS = ctx.ring_slots;
+    i32 lo, hi;
+    channel_range(p.num_tokens, C, c, lo, hi);
+    const u8* in_rank = reinterpret_cast<const u8*>(p.in_rank);
+    i32 count;
+    if (p.channel_prefix != 0) {
+        const i32* cp = reinterpret_cast<const i32*>(p.channel_prefix);
+        count = cp[d * C + c] - (c > 0 ? cp[d * C + c - 1] : 0);
+    } else {
+        i32 n = 0;
+        for (i32 t = lo + lane; t < hi; t += 32) n += in_rank[static_cast<i64>(t) * R + d] != 0 ? 1 : 0;
+        count = warp_sum(n);
+    }
+    const int ring = c * R + me;
+    u64* tail = tails(ctx, d) + ring;
+    const u32* head = heads(ctx, me) + c * R + d;
+    const u64 hdr = static_cast<u64>(count + 1) << 32;
+    const bool leader = wg == 0 && lane == 0;
+    if (leader) st_release_sys(tail, hdr);
+    i32* send_head = reinterpret_cast<i32*>(p.send_head);
+    i32 sent = 0, t = lo;
+    i32 cached_head = 0;
+    for (;;) {
+        // The leader waits for room for the next chunk; the group learns the outcome.
+        if (leader) {
+            i32 flag = 0;
+            if (sent < count) {
+                const i32 chunk = min(ctx.chunk, count - sent);
+                u64 start = 0;
+                while (RS - (sent - cached_head) < chunk) {
+                    cached_head = static_cast<i32>(ld_acquire_sys(head));
+                    if (RS - (sent - cached_head) >= chunk) break;
+                    if (!keep_waiting(ctx, start, kOpDispatch, kWaitHead, c, d, cached_head, sent, RS)) {
+                        flag = 2;
+                        break;
+                    }
+                }
+            } else {
+                flag = 1;
+            }
+            s_flag[d] = flag;
+        }
+        group_sync(d);
+        // The leader writes the flag again only after the barrier that ends this chunk.
+        const i32 flag = s_flag[d];
+        if (flag == 2) return;
+        if (flag == 1) break;
+        const i32 chunk = min(ctx.chunk, count - sent);
+        // Find the chunk's tokens 32 at a time; warp (slot % WPR) copies a token.
+        i32 j = 0;
+        while (j < chunk) {
+            if (t >= hi) {
+                if (leader) fail(ctx, kOpDispatch, kCodeMismatch, kBadInRank, c, d, sent + j, count, 0);
+                return;  // every warp of the group takes this branch
+            }
+            const i32 tok = t + lane;
+            const bool in = tok < hi && in_rank[static_cast<i64>(tok) * R + d] != 0;
+            const u32 mask = __ballot_sync(0xffffffffu, in);
+            const i32 n = __popc(mask);
+            const i32 take = min(n, chunk - j);
+            u32 taken = mask;
+            i32 end = 32;
+            if (take < n) {
+                u32 m = mask;
+                for (int q = 1; q < take; q++) m &= m - 1;
+                const int pos = __ffs(m) - 1;
+                taken = mask & ((2u << pos) - 1u);
+                end = pos + 1;
+            }
+            if (send_head != nullptr && wg == 0 && lane < end && tok < hi)
+                send_head[static_cast<i64>(tok) * R + d] = in ? sent + j + __popc(mask & lanemask_lt()) : -1;
+            u32 m = taken;
+            for (i32 q = 0; m != 0; q++) {
+                const int b = __ffs(m) - 1;
+                m &= m - 1;
+                const i32 slot = sent + j + q;
+                if (slot % kWarpsPerRank == wg)
+                    push_token(p, d, static_cast<i64>(ring) * RS + slot % RS, t + b, lane);
+            }
+            j += take;
+            t += end;
+        }
+        group_sync(d);  // the chunk's copies are done
+        sent += chunk;
+        if (leader) st_release_sys(tail, hdr | static_cast<u64>(sent));
+    }
+    // Tokens after the last one sent go nowhere on this channel.
+    if (wg == 0) {
+        bool extra = false;
+        for (i32 tok = t + lane; tok < hi; tok += 32) {
+            extra = extra || in_rank[static_cast<i64>(tok) * R + d] != 0;
+            if (send_head != nullptr) send_head[static_cast<i64>(tok) * R + d] = -1;
+        }
+        if (__any_sync(0xffffffffu, extra) && lane == 0)
+            fail(ctx, kOpDispatch, kCodeMismatch, kBadInRank, c, d, count + 1, count, 0);
+    }
+}
+
+PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int s, int wg, int lane, i64* s_avail) {
+    const Ctx& ctx = p.ctx;
+    const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
+    const i32 RS = ctx.ring_slots;
+    const int ring = c * R + s;
+    const u64* tail = tails(ctx, me) + ring;
+    u32* head = heads(ctx, s) + c * R + me;
+    const i32* rank_prefix = reinterpret_cast<const i32*>(p.rank_prefix);
+    // The leader warp collects s's announced counts of channels 0..c: our rows start after
+    // those of channels before c.
+    if (wg == 0) {
+        i64 before = 0, mine = 0;
+        bool ok = true;
+        for (int cc = lane; cc <= c && ok; cc += 32) {
+            const u64* w = tails(ctx, me) + cc * R + s;
+            u64 start = 0, v;
+            for (;;) {
+                v = ld_acquire_sys(w);
+                if ((v >> 32) != 0) break;
+                if (!keep_waiting(ctx, start, kOpDispatch, kWaitAnnounce, c, s, cc, 0, 0)) {
+                    ok = false;
+                    break;
+                }
+            }
+            if (ok) {
+                const i64 n = static_cast<i64>(v >> 32) - 1;
+                if (cc < c) before += n;
+                else mine = n;
+            }
+        }
+        ok = __all_sync(0xffffffffu, ok);
+        before = warp_sum(before);
+        mine = warp_sum(mine);
+        if (lane == 0) {
+            i64 flag = ok ? 0 : 1;
+            const i64 base = (s > 0 ? rank_prefix[(s - 1) * R + me] : 0) + before;
+            if (ok && c == C - 1 && base + mine != rank_prefix[s * R + me]) {
+                fail(ctx, kOpDispatch, kCodeMismatch, kBadRows, c, s,
+                     base + mine - (s > 0 ? rank_prefix[(s - 1) * R + me] : 0),
+                     rank_prefix[s * R + me] - (s > 0 ? rank_prefix[(s - 1) * R + me] : 0), 0);
+                flag = 1;
+            }
+            if (ok && flag == 0 && (base < 0 || base + mine > p.num_out_rows)) {
+                fail(ctx, kOpDispatch, kCodeMismatch, kRowsOverflow, c, s, base, base + mine, p.num_out_rows);
+                flag = 1;
+            }
+            if (flag == 0 && p.recv_channel_prefix != 0)
+                reinterpret_cast<i32*>(p.recv_channel_prefix)[s * C + c] = static_cast<i32>(before);
+            s_avail[2 * s] = flag ? -1 : base;
+            s_avail[2 * s + 1] = mine;
+        }
+    }
+    group_sync(s);
+    const i64 base = s_avail[2 * s];
+    const i32 count = static_cast<i32>(s_avail[2 * s + 1]);
+    group_sync(s);
+    if (base < 0) return;
+
+    const u8* buf = reinterpret_cast<const u8*>(ctx.data[me]);
+    const bool leader = wg == 0 && lane == 0;
+    i32 done = 0;
+    for (;;) {
+        if (leader) {
+            i64 avail = -1;
+            if (done > 0) st_release_sys(head, static_cast<u32>(done));
+            if (done < count) {
+                u64 start = 0;
+                for (;;) {
+                    const i32 tl = static_cast<i32>(static_cast<u32>(ld_acquire_sys(tail)));
+                    if (tl > done) {
+                        avail = min(tl, count);
+                        break;
+                    }
+                    if (!keep_waiting(ctx, start, kOpDispatch, kWaitTail, c, s, done, count, 0)) {
+                        avail = -2;
+                        break;
+                    }
+                }
+            }
+            s_avail[2 * s] = avail;
+        }
+        group_sync(s);
+        const i64 avail = s_avail[2 * s];
+        if (avail < 0) break;
+        for (i32 i = done + wg; i < avail; i += kWarpsPerRank) {
+            const i64 gs = static_cast<i64>(ring) * RS + i % RS;
+            const i64 row = base + i;
+            warp_copy<V, kCopyUnroll, true>(reinterpret_cast<V*>(p.recv_x + row * kHiddenBytes),
+                                  reinterpret_cast<const V*>(buf + p.off_hidden + gs * kHiddenBytes),
+                                  kHiddenBytes / kVec, lane);
+            if (kScalesBytes > 0) {
+                const float* src = reinterpret_cast<const float*>(buf + p.off_scales + gs * kScalesBytes);
+                float* dst = reinterpret_cast<float*>(p.recv_scales + row * kScalesBytes);
+                for (int k = lane; k < kScalesBytes / 4; k += 32) dst[k] = ld_ring(src + k);
+            }
+            if (lane == 0 && p.recv_src != 0)
+                reinterpret_cast<i32*>(p.recv_src)[row] = ld_ring(reinterpret_cast<const int*>(buf + p.off_src) + gs);
+            if (kTopk > 0 && p.recv_topk != 0) {
+                const i64* si = reinterpret_cast<const i64*>(buf + p.off_topk) + gs * kTopk;
+                const float* sw = reinterpret_cast<const float*>(buf + p.off_weights) + gs * kTopk;
+                i64* di = reinterpret_cast<i64*>(p.recv_topk) + row * kTopk;
+                float* dw = reinterpret_cast<float*>(p.recv_weights) + row * kTopk;
+                for (int k = lane; k < kTopk; k += 32) {
+                    di[k] = ld_ring(si + k);
+                    dw[k] = ld_ring(sw + k);
+                }
+            }
+        }
+        group_sync(s);  // the slots are read before the leader frees them
+        done = static_cast<i32>(avail);
+    }
+}
+
+// Padding rows [num_recv, num_out_rows) of a num_worst_tokens dispatch, spread over the
+// warps of the receiving blocks.
+PYEP_DEVICE void dispatch_pad(const DispatchParams& p, int gw, int nw, int lane) {
+    const i32 num_recv = reinterpret_cast<const i32*>(p.rank_prefix)[(kRanks - 1) * kRanks + p.ctx.rank];
+    for (i64 row = num_recv + gw; row < p.num_out_rows; row += nw) {
+        V* dst = reinterpret_cast<V*>(p.recv_x + row * kHiddenBytes);
+        for (int i = lane; i < kHiddenBytes / kVec; i += 32) st_na(dst + i, vec_zero<V>());
+        if (kScalesBytes > 0)
+            for (int k = lane; k < kScalesBytes / 4; k += 32)
+                reinterpret_cast<float*>(p.recv_scales + row * kScalesBytes)[k] = 0.0f;
+        if (lane == 0 && p.recv_src != 0) reinterpret_cast<i32*>(p.recv_src)[row] = -1;
+        if (kTopk > 0 && p.recv_topk != 0)
+            for (int k = lane; k < kTopk; k += 32) {
+                reinterpret_cast<i64*>(p.recv_topk)[row * kTopk + k] = -1;
+                reinterpret_cast<float*>(p.recv_weights)[row * kTopk + k] = 0.0f;
+            }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_dispatch(const DispatchParams p) {
+    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    const int c = static_cast<int>(blockIdx.x) / 2;
+    const bool sender = blockIdx.x % 2 == 0;
+    PYEP_SHARED(i64, s_avail, 2 * kRanks);
+    PYEP_SHARED(i32, s_flag, kRanks + 1);
+    if (tid == 0) s_flag[kRanks] = start_ok(p.ctx, kOpDispatch) ? 0 : 1;
+    __syncthreads();
+    if (s_flag[kRanks] != 0) return;
+    const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
+    if (g < kRanks) {
+        if (sender) dispatch_send(p, c, g, wg, lane, s_flag);
+        else dispatch_recv(p, c, g, wg, lane, s_avail);
+    }
+    if (!sender && p.num_out_rows > 0) dispatch_pad(p, c * kWarps + warp, p.ctx.num_channels * kWarps, lane);
+}
+
+#endif  // PYEP_DISPATCH
+
+#if defined(PYEP_COMBINE)
+
+// ---------------------------------------------------------------------------------------------
+// Combine: block 2c returns the rows this rank received on channel c to their ranks (warp
+// group g serves rank g); block 2c + 1 reduces channel c's tokens: warp 0 frees ring slots as
+// the reducers (every other warp, tokens round-robin) move past them.
+
+#ifndef PYEP_HIDDEN
+#define PYEP_HIDDEN 256
+#endif
+#ifndef PYEP_DTYPE
+#define PYEP_DTYPE 1
+#endif
+#ifndef PYEP_TOPK
+#define PYEP_TOPK 0
+#endif
+#ifndef PYEP_VEC
+#define PYEP_VEC 16
+#endif
+
+constexpr int kHidden = PYEP_HIDDEN;
+constexpr int kDType = PYEP_DTYPE;
+constexpr int kElem = kDType == 3 ? 4 : 2;
+constexpr int kRowBytes = kHidden * kElem;
+constexpr int kTopk = PYEP_TOPK;
+constexpr int kVec = PYEP_VEC;
+constexpr int kPerVec = kVec / kElem;  // elements per vector
+static_assert(kVec >= kElem && kRowBytes % kVec == 0, "rows are whole vectors of whole elements");
+typedef typename Vec<kVec>::T V;
+constexpr int kReducers = kWarps - 1;
+
+struct CombineParams {
+    Ctx ctx;
+    u64 x, weights, src_idx, rank_prefix, channel_prefix, send_head, bias0, bias1, out, out_weights;
+    u64 off_row, off_src, off_weights;
+    i32 num_tokens, num_rows, pad0, pad1;
+};
+static_assert(sizeof(CombineParams) == 304, "CombineParams layout is shared with the host");
+
+union VecElems {
+    V v;
+    u16 h[kVec / 2 > 0 ? kVec / 2 : 1];
+    float f[kVec / 4 > 0 ? kVec / 4 : 1];
+};
+
+PYEP_DEVICE void add_vec(float* acc, V v) {
+    VecElems e;
+    e.v = v;
+#pragma unroll
+    for (int i = 0; i < kPerVec; i++) {
+        if (kDType == 1) acc[i] += bf16_to_float(e.h[i]);
+        else if (kDType == 2) acc[i] += half_to_float(e.h[i]);
+        else acc[i] += e.f[i];
+    }
+}
+
+PYEP_DEVICE V pack_vec(const float* acc) {
+    VecElems e;
+#pragma unroll
+    for (int i = 0; i < kPerVec; i++) {
+        if (kDType == 1) e.h[i] = float_to_bf16(acc[i]);
+        else if (kDType == 2) e.h[i] = float_to_half(acc[i]);
+        else e.f[i] = acc[i];
+    }
+    return e.v;
+}
+
+PYEP_DEVICE void combine_send(const CombineParams& p, int c, int d, int wg, int lane, i32* s_flag) {
+    const Ctx& ctx = p.ctx;
+    const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
+    const i32 RS = ctx.ring_slots;
+    const i32* rank_prefix = reinterpret_cast<const i32*>(p.rank_prefix);
+    const i32* cp = reinterpret_cast<const i32*>(p.channel_prefix);
+    const bool leader = wg == 0 && lane == 0;
+    // Rows this rank received from d on channel c: [first, first + count).
+    const i32 base = d > 0 ? rank_prefix[(d - 1) * R + me] : 0;
+    const i32 block = rank_prefix[d * R + me] - base;
+    const i32 v = cp[d * C + c];
+    const i32 end = c + 1 < C ? cp[d * C + c + 1] : block;
+    const bool bad = base < 0 || v < 0 || v > end || end > block || (c == 0 && v != 0) || base + end > p.num_rows;
+    if (bad) {
+        if (leader) fail(ctx, kOpCombine, kCodeMismatch, kBadChannelPrefix, c, d, v, 0, block);
+        return;
+    }
+    const i32 first = base + v, count = end - v;
+    const int ring = c * R + me;
+    u64* tail = tails(ctx, d) + ring;
+    const u32* head = heads(ctx, me) + c * R + d;
+    const u64 hdr = static_cast<u64>(count + 1) << 32;
+    if (leader) st_release_sys(tail, hdr);
+    u8* dbuf = reinterpret_cast<u8*>(ctx.data[d]);
+    i32 sent = 0, cached_head = 0;
+    for (;;) {
+        if (leader) {
+            i32 flag = 0;
+            if (sent < count) {
+                const i32 chunk = min(ctx.chunk, count - sent);
+                u64 start = 0;
+                while (RS - (sent - cached_head) < chunk) {
+                    cached_head = static_cast<i32>(ld_acquire_sys(head));
+                    if (RS - (sent - cached_head) >= chunk) break;
+                    if (!keep_waiting(ctx, start, kOpCombine, kWaitHead, c, d, cached_head, sent, RS)) {
+                        flag = 2;
+                        break;
+                    }
+                }
+            } else {
+                flag = 1;
+            }
+            s_flag[d] = flag;
+        }
+        group_sync(d);
+        const i32 flag = s_flag[d];
+        if (flag != 0) return;
+        const i32 chunk = min(ctx.chunk, count - sent);
+        for (i32 q = wg; q < chunk; q += kWarpsPerRank) {
+            const i32 i = sent + q;
+            const i64 row = first + i;
+            const i64 gs = static_cast<i64>(ring) * RS + i % RS;
+            warp_copy<V, kCopyUnroll, false>(reinterpret_cast<V*>(dbuf + p.off_row + gs * kRowBytes),
+                                   reinterpret_cast<const V*>(p.x + row * kRowBytes), kRowBytes / kVec, lane);
+            if (lane == 0)
+                reinterpret_cast<i32*>(dbuf + p.off_src)[gs] = ld_nc(reinterpret_cast<const int*>(p.src_idx) + row);
+            if (kTopk > 0 && p.weights != 0) {
+                const float* w = reinterpret_cast<const float*>(p.weights) + row * kTopk;
+                float* dw = reinterpret_cast<float*>(dbuf + p.off_weights) + gs * kTopk;
+                for (int k = lane; k < kTopk; k += 32) dw[k] = ld_nc(w + k);
+            }
+        }
+        group_sync(d);
+        sent += chunk;
+        if (leader) st_release_sys(tail, hdr | static_cast<u64>(sent));
+    }
+}
+
+// Reducer warp r of channel c: tokens lo + r, lo + r + kReducers, ...
+PYEP_DEVICE void combine_reduce(const CombineParams& p, int c, int r, int lane, i32* s_cur) {
+    const Ctx& ctx = p.ctx;
+    const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
+    const i32 RS = ctx.ring_slots;
+    i32 lo, hi;
+    channel_range(p.num_tokens, C, c, lo, hi);
+    const u8* buf = reinterpret_cast<const u8*>(ctx.data[me]);
+    const i32* send_head = reinterpret_cast<const i32*>(p.send_head);
+    const u64* tail = tails(ctx, me) + c * R + (lane < R ? lane : 0);
+    i32 seen = 0;  // lane q < R: tokens rank q has pushed on our ring, as last read
+    for (i32 t = lo + r; t < hi; t += kReducers) {
+        st_release_cta(s_cur + r, t);
+        const i32 sh = lane < R ? ld_nc(reinterpret_cast<const int*>(send_head) + static_cast<i64>(t) * R + lane) : -1;
+        bool ok = true;
+        if (sh >= 0 && seen <= sh) {
+            u64 start = 0;
+            for (;;) {
+                const u64 w = ld_acquire_sys(tail);
+                seen = static_cast<i32>(static_cast<u32>(w));
+                const i64 announced = static_cast<i64>(w >> 32) - 1;
+                if (announced >= 0 && sh >= announced) {
+                    fail(ctx, kOpCombine, kCodeMismatch, kBadSendHead, c, lane, t, sh, announced);
+                    ok = false;
+                    break;
+                }
+                if (seen > sh) break;
+                if (!keep_waiting(ctx, start, kOpCombine, kWaitToken, c, lane, t, sh, seen)) {
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        __syncwarp();
+        if (ok && sh >= 0) {
+            const i64 gs = static_cast<i64>(c * R + lane) * RS + sh % RS;
+            const i32 got = ld_ring(reinterpret_cast<const int*>(buf + p.off_src) + gs);
+            if (got != t) {
+                fail(ctx, kOpCombine, kCodeMismatch, kBadSrc, c, lane, got, t, 0);
+                ok = false;
+            }
+        }
+        if (!__all_sync(0xffffffffu, ok)) break;
+        i32 shr[kRanks];
+#pragma unroll
+        for (int q = 0; q < kRanks; q++) shr[q] = __shfl_sync(0xffffffffu, sh, q);
+        const V* b0 = p.bias0 != 0 ? reinterpret_cast<const V*>(p.bias0 + static_cast<u64>(t) * kRowBytes) : nullptr;
+        const V* b1 = p.bias1 != 0 ? reinterpret_cast<const V*>(p.bias1 + static_cast<u64>(t) * kRowBytes) : nullptr;
+        V* out = reinterpret_cast<V*>(p.out + static_cast<u64>(t) * kRowBytes);
+        const V* rows[kRanks];
+#pragma unroll
+        for (int q = 0; q < kRanks; q++)
+            rows[q] = reinterpret_cast<const V*>(buf + p.off_row +
+                                                 (static_cast<i64>(c * R + q) * RS + (shr[q] >= 0 ? shr[q] : 0) % RS) *
+                                                     kRowBytes);
+        // All loads of a round first (bias, then every rank's row), then the sums in the fixed
+        // order: bias0, bias1, ranks ascending.
+        constexpr int kNV = kRowBytes / kVec;
+        constexpr int U = kRanks >= 8 ? 1 : (kRanks >= 4 ? 2 : 4);
+        for (int i = lane; i < kNV; i += 32 * U) {
+            V vb0[U], vb1[U], in[kRanks][U];
+            if (b0 != nullptr) {
+#pragma unroll
+                for (int u = 0; u < U; u++)
+                    if (i + 32 * u < kNV) vb0[u] = ld_nc(b0 + i + 32 * u);
+            }
+            if (b1 != nullptr) {
+#pragma unroll
+                for (int u = 0; u < U; u++)
+                    if (i + 32 * u < kNV) vb1[u] = ld_nc(b1 + i + 32 * u);
+            }
+#pragma unroll
+            for (int q = 0; q < kRanks; q++) {
+                if (shr[q] < 0) continue;
+#pragma unroll
+                for (int u = 0; u < U; u++)
+                    if (i + 32 * u < kNV) in[q][u] = ld_ring(rows[q] + i + 32 * u);
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (i + 32 * u >= kNV) continue;
+                float acc[kPerVec];
+#pragma unroll
+                for (int e = 0; e < kPerVec; e++) acc[e] = 0.0f;
+                if (b0 != nullptr) add_vec(acc, vb0[u]);
+                if (b1 != nullptr) add_vec(acc, vb1[u]);
+#pragma unroll
+                for (int q = 0; q < kRanks; q++)
+                    if (shr[q] >= 0) add_vec(acc, in[q][u]);
+                st_na(out + i + 32 * u, pack_vec(acc));
+            }
+        }
+        if (kTopk > 0 && p.out_weights != 0) {
+            float* ow = reinterpret_cast<float*>(p.out_weights) + static_cast<i64>(t) * kTopk;
+            for (int k = lane; k < kTopk; k += 32) {
+                float w = 0.0f;
+#pragma unroll
+                for (int q = 0; q < kRanks; q++)
+                    if (shr[q] >= 0)
+                        w += ld_ring(reinterpret_cast<const float*>(buf + p.off_weights) +
+                                     (static_cast<i64>(c * R + q) * RS + shr[q] % RS) * kTopk + k);
+                ow[k] = w;
+            }
+        }
+        __syncwarp();
+    }
+    st_release_cta(s_cur + r, hi);
+}
+
+// Warp 0 of a reducing block: frees ring slots behind the slowest reducer.
+PYEP_DEVICE void combine_coordinate(const CombineParams& p, int c, int lane, i32* s_cur) {
+    const Ctx& ctx = p.ctx;
+    const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
+    i32 lo, hi;
+    channel_range(p.num_tokens, C, c, lo, hi);
+    const i32* send_head = reinterpret_cast<const i32*>(p.send_head);
+    u32* head = heads(ctx, lane < R ? lane : 0) + c * R + me;
+    i32 freed = 0;  // lane q < R: slots of rank q's ring freed so far
+    i32 done = lo;  // tokens below this are reduced
+    for (;;) {
+        i32 f = hi;
+        for (int i = lane; i < kReducers; i += 32) f = min(f, ld_acquire_cta(s_cur + i));
+        f = warp_min(f);
+        if (f > done) {
+            i32 best[kRanks];
+#pragma unroll
+            for (int q = 0; q < kRanks; q++) best[q] = 0;
+            for (i64 i = static_cast<i64>(done) * R + lane; i < static_cast<i64>(f) * R; i += 32) {
+                const i32 v = ld_nc(reinterpret_cast<const int*>(send_head) + i);
+                const int q = static_cast<int>(i % R);
+#pragma unroll
+                for (int qq = 0; qq < kRanks; qq++)
+                    if (qq == q) best[qq] = max(best[qq], v + 1);
+            }
+#pragma unroll
+            for (int q = 0; q < kRanks; q++) {
+                const i32 m = warp_max(best[q]);
+                if (lane == q && m > freed) {
+                    freed = m;
+                    st_release_sys(head, static_cast<u32>(freed));
+                }
+            }
+            done = f;
+        }
+        if (f >= hi) break;
+        if (aborted(ctx) != 0) return;
+        nanosleep(32);
+    }
+    // Every rank must have returned exactly the rows send_head asked for.
+    if (lane < R) {
+        const u64* tail = tails(ctx, me) + c * R + lane;
+        u64 start = 0, w;
+        for (;;) {
+            w = ld_acquire_sys(tail);
+            if ((w >> 32) != 0) break;
+            if (!keep_waiting(ctx, start, kOpCombine, kWaitAnnounce, c, lane, c, 0, 0)) return;
+        }
+        const i32 announced = static_cast<i32>(w >> 32) - 1;
+        if (announced != freed) fail(ctx, kOpCombine, kCodeMismatch, kBadReturnCount, c, lane, announced, freed, 0);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_combine(const CombineParams p) {
+    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    const int c = static_cast<int>(blockIdx.x) / 2;
+    const bool sender = blockIdx.x % 2 == 0;
+    PYEP_SHARED(i32, s_flag, kRanks + 1);
+    PYEP_SHARED(i32, s_cur, kReducers);
+    i32 lo, hi;
+    channel_range(p.num_tokens, p.ctx.num_channels, c, lo, hi);
+    for (int i = tid; i < kReducers; i += kThreads) s_cur[i] = lo;
+    if (tid == 0) s_flag[kRanks] = start_ok(p.ctx, kOpCombine) ? 0 : 1;
+    __syncthreads();
+    if (s_flag[kRanks] != 0) return;
+    if (sender) {
+        const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
+        if (g < kRanks) combine_send(p, c, g, wg, lane, s_flag);
+    } else if (warp == 0) {
+        combine_coordinate(p, c, lane, s_cur);
+    } else {
+        combine_reduce(p, c, warp - 1, lane, s_cur);
+    }
+}
+
+#endif  // PYEP_COMBINE
+
+}  // namespace pyep

@@ -1,0 +1,168 @@
+"""`python -m pyep.bench` and pyep.tuning.
+
+The bench test spawns its own two-rank gloo group (its rendezvous store on a port the OS picks), so it runs on
+rank 0 of the torchrun launch only; the other tests are local to each process."""
+import json
+import os
+import tempfile
+import warnings
+
+import pytest
+
+import pyep
+from pyep import bench, tuning
+
+TINY = ["--spawn", "--device", "cpu", "--nprocs", "2", "--tokens", "64", "--hidden", "256", "--topk", "4",
+        "--experts", "8", "--sms", "4", "--warmup", "0", "--iters", "1", "--host-iters", "1", "--no-plots", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny_report(group):
+    if group.rank() != 0:
+        pytest.skip("not collective: runs on rank 0 only")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PYEP_BACKEND", "cpu")
+    mp.setenv("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="pyep-bench-test-") as out:
+        try:
+            report = bench.main(TINY + ["--out", out])
+            with open(os.path.join(out, "results.json")) as f:
+                on_disk = json.load(f)
+            table = open(os.path.join(out, "table.txt")).read()
+        finally:
+            mp.undo()
+        yield report, on_disk, table
+
+
+def test_bench_json(tiny_report):
+    report, on_disk, table = tiny_report
+    assert on_disk == report
+    assert report["schema"] == bench.SCHEMA
+    env = report["env"]
+    for key in ("hostname", "date", "torch", "pyep", "gpu", "driver", "cuda", "nccl", "deep_ep", "num_ranks", "backend"):
+        assert key in env, key
+    assert env["backend"] == "cpu" and env["num_ranks"] == 2 and env["pyep"] == pyep.__version__
+    assert "deepep" in report["skipped"] and env["deep_ep"]["skipped"]
+    assert report["plan"]["mode"] == "sweep" and report["plan"]["num_cases"] == 1
+    assert report["plots"] == [] and report["plots_skipped"] == "--no-plots"
+
+    results = {(r["impl"], r["op"]): r for r in report["results"]}
+    expected = {("pyep", op) for op in bench.OPS} | {("baseline", op) for op in bench.BASELINE_OPS}
+    assert set(results) == expected
+    for (impl, op), r in results.items():
+        assert r["error"] is None, (impl, op, r["error"])
+        assert (r["tokens"], r["hidden"], r["topk"], r["experts"]) == (64, 256, 4, 8)
+        assert len(r["per_rank"]) == 2
+        assert 0 < r["time_us_min"] <= r["time_us_avg"] <= r["time_us_max"]
+        for p in r["per_rank"]:
+            assert len(p["times_us"]) == 1 and p["min_us"] == p["median_us"] == p["max_us"] > 0
+            assert p["host_us"] > 0
+            if op == "layout":  # no bytes; pyep's layout is measured without a dispatch, so without recv_tokens
+                assert p["bytes"] == 0 and p["gbps"] is None
+                continue
+            assert 0 < p["recv_tokens"] <= 2 * 64
+            factor = bench.FP8_FACTOR if op == "dispatch_fp8" else 1
+            assert p["bytes"] == int(p["recv_tokens"] * 256 * 2 * factor)
+            assert p["gbps"] == pytest.approx(p["bytes"] / 1e9 / (p["median_us"] / 1e6), rel=1e-2, abs=1e-3)
+        if op == "layout":
+            assert r["gbps_avg"] is None and r["num_sms"] is None
+        else:
+            assert 0 < r["gbps_min"] <= r["gbps_avg"]
+        if impl == "pyep" and op != "layout":
+            assert r["config"][0] == 4 and r["num_sms"] == 4
+        if impl == "baseline":
+            assert r["config"] is None and r["num_sms"] is None
+    # Both receive the same tokens: the same routing, one copy per destination rank.
+    for rk in range(2):
+        assert (results[("pyep", "dispatch_bf16")]["per_rank"][rk]["recv_tokens"]
+                == results[("baseline", "dispatch_bf16")]["per_rank"][rk]["recv_tokens"])
+    assert "dispatch_bf16" in table and "baseline" in table
+
+
+def test_bench_tuning_round_trip(tiny_report, monkeypatch):
+    report = tiny_report[0]
+    with tempfile.TemporaryDirectory(prefix="pyep-tuning-test-") as tmp:
+        path = os.path.join(tmp, "tuning.json")
+        monkeypatch.setenv(tuning.ENV_FILE, path)
+        table = bench.tune_table(report["results"], 2, "cpu", 256)
+        assert tuning.save(table) == path
+        measured = {r["op"]: r["config"] for r in report["results"] if r["impl"] == "pyep"}
+        assert tuning.load_tuned("dispatch", 2) == pyep.Config(*measured["dispatch_bf16"])
+        assert tuning.load_tuned("dispatch_fp8", 2, num_sms=4) == pyep.Config(*measured["dispatch_fp8"])
+        assert tuning.load_tuned("combine", 2, hidden=7168) == pyep.Config(*measured["combine_bf16"])
+        assert tuning.load_tuned("dispatch", 4) is None
+        assert tuning.load_tuned("dispatch", 2, num_sms=24) is None
+        tuning.clear_cache()
+
+
+def _table(hidden_best):
+    """A tuning table from {(hidden, kind): {config: (us, gbps)}}."""
+    return tuning.make_table(8, "Test GPU 80GB", hidden_best, default_hidden=7168, source={"tokens": [4096]})
+
+
+def test_tuning_round_trip(monkeypatch):
+    with tempfile.TemporaryDirectory(prefix="pyep-tuning-test-") as tmp:
+        path = os.path.join(tmp, "t.json")
+        monkeypatch.setenv(tuning.ENV_FILE, path)
+        assert tuning.load_tuned("dispatch", 8) is None  # no file yet
+        results = {
+            (7168, "dispatch"): {(24, 6, 256, 6, 128): (300.0, 150.0), (24, 16, 256, 6, 128): (250.0, 180.0),
+                                 (20, 8, 256, 6, 128): (280.0, 160.0)},
+            (7168, "combine"): {(24, 4, 256, 6, 128): (320.0, 140.0), (20, 4, 256, 6, 128): (330.0, 136.0)},
+            (2048, "dispatch"): {(24, 32, 512, 6, 128): (90.0, 120.0)},
+        }
+        assert tuning.save(_table(results)) == path
+        assert tuning.load_tuned("dispatch", 8) == pyep.Config(24, 16, 256, 6, 128)
+        assert tuning.load_tuned("dispatch", 8, num_sms=20) == pyep.Config(20, 8, 256, 6, 128)
+        assert tuning.load_tuned("dispatch", 8, num_sms=12) is None
+        assert tuning.load_tuned("combine", 8) == pyep.Config(24, 4, 256, 6, 128)
+        assert tuning.load_tuned("combine", 8, hidden=7000) == pyep.Config(24, 4, 256, 6, 128)
+        assert tuning.load_tuned("dispatch", 8, hidden=2048) == pyep.Config(24, 32, 512, 6, 128)
+        assert tuning.load_tuned("dispatch", 8, hidden=3000) == pyep.Config(24, 32, 512, 6, 128)  # nearest
+        assert tuning.load_tuned("combine", 8, hidden=2048) is None
+        assert tuning.load_tuned("dispatch_fp8", 8) is None
+        assert tuning.load_tuned("dispatch", 4) is None  # the file is for 8 ranks
+        with pytest.raises(ValueError, match="kind"):
+            tuning.load_tuned("dispatcher", 8)
+        entry = tuning.lookup("dispatch", 8)
+        assert entry == {"config": [24, 16, 256, 6, 128], "time_us": 250.0, "gbps": 180.0}
+        assert tuning.load_tuned("dispatch", 8) is not tuning.load_tuned("dispatch", 8)  # fresh objects
+
+        # A malformed file warns once and counts as missing.
+        with open(path, "w") as f:
+            f.write("{not json")
+        tuning.clear_cache()
+        with pytest.warns(RuntimeWarning, match="ignoring tuning file"):
+            assert tuning.load_tuned("dispatch", 8) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert tuning.load_tuned("dispatch", 8) is None
+        tuning.clear_cache()
+
+
+def test_tuning_default_path(monkeypatch):
+    monkeypatch.delenv(tuning.ENV_FILE, raising=False)
+    path = tuning.tuning_path(8, "NVIDIA H100 80GB HBM3")
+    assert path == os.path.join(os.path.expanduser("~"), ".cache", "pyep", "tuning", "NVIDIA_H100_80GB_HBM3-8.json")
+    monkeypatch.setenv(tuning.ENV_FILE, "/x/y.json")
+    assert tuning.tuning_path(8, "cpu") == "/x/y.json"
+
+
+def test_bench_lists_and_plan():
+    assert bench._int_list("128:1024:x2") == [128, 256, 512, 1024]
+    assert bench._int_list("8:24:4") == [8, 12, 16, 20, 24]
+    assert bench._int_list("2048,4096,2048") == [2048, 4096]
+    assert bench._chunk_list("default,4,8") == [None, 4, 8]
+    args = bench.parse_args(["--tokens", "128,4096", "--hidden", "2048,7168", "--sms", "8,24", "--experts", "250"])
+    plan = bench.make_plan(args, "cuda", 8)
+    assert plan.reference == {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 248, "num_sms": 24,
+                              "nvl_send": None, "nvl_recv": None}
+    # tokens x hidden at 24 SMs, plus SMs x hidden at 4096 tokens: (4096, *, 24) is shared.
+    assert len(plan.cases) == 4 + 4 - 2
+    assert any("248" in n for n in plan.notes)
+    quick = bench.make_plan(bench.parse_args(["--quick"]), "cuda", 8)
+    assert [(c.tokens, c.hidden, c.topk, c.experts, c.num_sms) for c in quick.cases] == [(4096, 7168, 8, 256, 24)]
+    full = bench.make_plan(bench.parse_args(["--full", "--tokens", "128,256", "--sms", "8,12,16"]), "cuda", 8)
+    assert len(full.cases) == 2 * 3 * 3
+    tune = bench.make_plan(bench.parse_args(["--tune"]), "cpu", 4)
+    assert tune.impls == ["pyep"] and set(tune.ops) == set(bench.TUNE_KINDS)
