@@ -4,8 +4,14 @@ import "github.com/pyep/pyep/goep"
 
 // Normal-mode exports. Tensors are DLPack addresses (0 for None); configs are their five fields.
 
-func config(numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int) (goep.Config, error) {
-	return goep.NewConfig(numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+// bufferWithConfig finds buffer id and checks the call's Config.
+func bufferWithConfig(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int) (*goep.Buffer, goep.Config, error) {
+	b, err := lookup(id)
+	if err != nil {
+		return nil, goep.Config{}, err
+	}
+	cfg, err := goep.NewConfig(numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+	return b, cfg, err
 }
 
 // Layout is get_dispatch_layout.
@@ -24,11 +30,7 @@ func DispatchNotify(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int,
 	numExperts, expertAlignment, numWorstTokens int,
 	perRank, perExpert, inRank, rankPrefix, channelPrefix, recvChannelPrefix, recvPerExpert, topkIdx uintptr) (n int, err error) {
 	defer guard("DispatchNotify", &err)
-	b, err := lookup(id)
-	if err != nil {
-		return 0, err
-	}
-	cfg, err := config(numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+	b, cfg, err := bufferWithConfig(id, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
 	if err != nil {
 		return 0, err
 	}
@@ -43,11 +45,7 @@ func Dispatch(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int, numExp
 	x, xScales, topkIdx, topkWeights, inRank, rankPrefix, channelPrefix,
 	recvX, recvXScales, recvSrcIdx, recvTopkIdx, recvTopkWeights, recvChannelPrefix, sendHead uintptr) (err error) {
 	defer guard("Dispatch", &err)
-	b, err := lookup(id)
-	if err != nil {
-		return err
-	}
-	cfg, err := config(numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+	b, cfg, err := bufferWithConfig(id, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
 	if err != nil {
 		return err
 	}
@@ -62,11 +60,7 @@ func Dispatch(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int, numExp
 func Combine(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int,
 	x, topkWeights, srcIdx, rankPrefix, channelPrefix, sendHead, bias0, bias1, combinedX, combinedWeights uintptr) (err error) {
 	defer guard("Combine", &err)
-	b, err := lookup(id)
-	if err != nil {
-		return err
-	}
-	cfg, err := config(numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+	b, cfg, err := bufferWithConfig(id, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
 	if err != nil {
 		return err
 	}

@@ -49,7 +49,7 @@ func newDomainWith(t *testing.T, R int, nvlBytes int64, opts cuda.NormalOptions)
 	envs := make([]*rankEnv, R)
 	handles := make([][]byte, R)
 	for r := range envs {
-		d := fake.New(fake.Config{World: w, Devices: 8, MemBytes: 1 << 30})
+		d := fake.New(fake.Config{World: w, Devices: 8, MemBytes: 1 << 30, Guard: os.Getenv("PYEP_EMU_NOGUARD") == ""})
 		be, err := cuda.NewBackend(d, r, cuda.BackendOptions{Timeout: 20 * time.Second, NVLink: allLinks{}, Process: fmt.Sprint("rank", r)})
 		require.NoError(t, err)
 		be.SetNormalOptions(opts)
@@ -318,7 +318,9 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 	}
 
 	// Reference: notify, dispatch, cached dispatch, combine.
-	doms := refDomain(R, 64<<20)
+	refBytes, err := c.cfg.NVLBufferSizeHint(c.hidden*c.dtype.Size()+c.scales*4, R)
+	require.NoError(t, err)
+	doms := refDomain(R, max(64<<20, refBytes))
 	type refOut struct {
 		rankPrefix, channelPrefix, recvChannelPrefix, recvPerExpert []int32
 		n                                                           int

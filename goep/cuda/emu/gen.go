@@ -65,6 +65,22 @@ func main() {
 		vs = append(vs, map[string]string{"PYEP_COMBINE": "", "PYEP_RANKS": "4", "PYEP_HIDDEN": "2880", "PYEP_DTYPE": "1",
 			"PYEP_TOPK": k, "PYEP_VEC": "16", "PYEP_THREADS": "160"})
 	}
+	// Four ranks, several buffers in one process in tests/test_normal.py's order (emu.Options4):
+	// hidden 256 with top-1, 8 and 9, hidden 7168, then hidden 2880 (above).
+	for _, v := range []struct{ hb, h string }{{"512", "256"}, {"14336", "7168"}} {
+		ks := []string{"8", "0"}
+		if v.h == "256" {
+			ks = []string{"8", "1", "9", "0"}
+		}
+		for _, k := range ks {
+			vs = append(vs, map[string]string{"PYEP_DISPATCH": "", "PYEP_RANKS": "4", "PYEP_HIDDEN_BYTES": v.hb, "PYEP_SCALES_BYTES": "0",
+				"PYEP_TOPK": k, "PYEP_VEC": "16", "PYEP_THREADS": "160"})
+			if k != "0" {
+				vs = append(vs, map[string]string{"PYEP_COMBINE": "", "PYEP_RANKS": "4", "PYEP_HIDDEN": v.h, "PYEP_DTYPE": "1",
+					"PYEP_TOPK": k, "PYEP_VEC": "16", "PYEP_THREADS": "160"})
+			}
+		}
+	}
 	// Four ranks with a GPU's block size (emu.OptionsGPU): slow, for bug hunts.
 	vs = append(vs, map[string]string{"PYEP_NOTIFY": "", "PYEP_RANKS": "4", "PYEP_NOTIFY_THREADS": notifyThreads, "PYEP_THREADS": "768"})
 	for _, k := range []string{"8", "0"} {

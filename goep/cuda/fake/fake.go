@@ -96,6 +96,12 @@ type Config struct {
 	Name    string // "pyep fake GPU"
 	// MemBytes is each device's memory; allocations beyond it fail with out-of-memory.
 	MemBytes int // 1 GiB
+	// Guard places every allocation at the end of its own mapping, followed by an inaccessible
+	// page, and makes freed memory inaccessible: an emulated kernel that reads or writes past
+	// an allocation (or after its free) crashes at once, as a GPU would report an illegal
+	// address, instead of silently touching the Go heap. Freed mappings keep their address
+	// range (not their memory) until the process exits.
+	Guard bool
 }
 
 // Driver is one fake process.
@@ -453,9 +459,17 @@ func (d *Driver) alloc(bytes int, host bool) (*allocation, error) {
 		d.used[dev] += bytes
 	}
 	// 256-byte alignment, like cudaMalloc's (kernels rely on it for vector loads).
-	raw := make([]byte, bytes+256)
-	off := int(-uintptr(unsafe.Pointer(&raw[0])) & 255)
-	buf := raw[off : off+bytes : off+bytes]
+	var buf []byte
+	if d.cfg.Guard {
+		var err error
+		if buf, err = guarded(bytes); err != nil {
+			return nil, fmt.Errorf("pyep: fake: allocating %d bytes: %v: %w", bytes, err, cuda.ErrorOutOfMemory)
+		}
+	} else {
+		raw := make([]byte, bytes+256)
+		off := int(-uintptr(unsafe.Pointer(&raw[0])) & 255)
+		buf = raw[off : off+bytes : off+bytes]
+	}
 	d.w.nextID++
 	a := &allocation{id: d.w.nextID, buf: buf, base: cuda.DevicePtr(uintptr(unsafe.Pointer(&buf[0]))), owner: d, device: dev, host: host}
 	d.w.allocs[a.id] = a
@@ -475,6 +489,9 @@ func (d *Driver) own(op string, p cuda.DevicePtr, host bool) (*allocation, error
 func (d *Driver) release(a *allocation) {
 	delete(d.mapped, a.base)
 	a.freed = true
+	if a.opened == 0 && a.owner.cfg.Guard {
+		unguard(a.buf)
+	}
 	if !a.host {
 		d.used[a.device] -= len(a.buf)
 	}
@@ -734,6 +751,9 @@ func (d *Driver) IpcCloseMemHandle(p cuda.DevicePtr) error {
 	a.opened--
 	if a.freed && a.opened == 0 {
 		delete(d.w.allocs, a.id)
+		if a.owner.cfg.Guard {
+			unguard(a.buf)
+		}
 	}
 	return nil
 }

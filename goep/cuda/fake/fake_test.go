@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"math"
+	"runtime/debug"
 	"testing"
 	"time"
 	"unsafe"
@@ -351,4 +352,25 @@ func TestFailNext(t *testing.T) {
 	require.NoError(t, err, "only the next call fails")
 	assert.Equal(t, 2, d.Calls("MemAlloc"))
 	require.NoError(t, d.MemFree(p))
+}
+
+func TestGuardFaultsPastTheEnd(t *testing.T) {
+	d := fake.New(fake.Config{Guard: true})
+	dev, err := d.DeviceGet(0)
+	require.NoError(t, err)
+	pc, err := dev.PrimaryContext()
+	require.NoError(t, err)
+	require.NoError(t, pc.MakeCurrent())
+	p, err := d.MemAlloc(1000)
+	require.NoError(t, err)
+	require.Zero(t, uint64(p)%256)
+	b, err := d.Bytes(p, 1000)
+	require.NoError(t, err)
+	b[999] = 1
+	past := unsafe.Slice((*byte)(unsafe.Pointer(&b[0])), 1024+4096)
+	old := debug.SetPanicOnFault(true)
+	defer debug.SetPanicOnFault(old)
+	require.Panics(t, func() { past[1024] = 1 })
+	require.NoError(t, d.MemFree(p))
+	require.Panics(t, func() { b[0] = 1 }, "freed memory faults")
 }
