@@ -84,9 +84,6 @@ func NewBuffer(p Params, backend Backend) (*Buffer, error) {
 // Topology is the rank arithmetic of this buffer.
 func (b *Buffer) Topology() Topology { return b.topo }
 
-// Params are the constructor arguments.
-func (b *Buffer) Params() Params { return b.params }
-
 // Backend is the backend that owns this buffer's memory.
 func (b *Buffer) Backend() Backend { return b.backend }
 
