@@ -20,6 +20,7 @@
 // pyep:defines PYEP_COMBINE PYEP_RANKS=8 PYEP_HIDDEN=2880 PYEP_DTYPE=2 PYEP_TOPK=0 PYEP_VEC=16
 // pyep:defines PYEP_COMBINE PYEP_RANKS=1 PYEP_HIDDEN=100 PYEP_DTYPE=3 PYEP_TOPK=33 PYEP_VEC=16
 // pyep:defines PYEP_COMBINE PYEP_RANKS=5 PYEP_HIDDEN=99 PYEP_DTYPE=1 PYEP_TOPK=1 PYEP_VEC=2
+// pyep:defines PYEP_COMBINE PYEP_RANKS=4 PYEP_HIDDEN=2880 PYEP_DTYPE=1 PYEP_TOPK=8 PYEP_VEC=16
 //
 // # Memory
 //
@@ -1005,26 +1006,26 @@ PYEP_DEVICE void combine_reduce(const CombineParams& p, int c, int r, int lane, 
     for (i32 t = lo + r; t < hi; t += kReducers) {
         st_release_cta(s_cur + r, t);
         const i32 sh = lane < R ? ld_nc(reinterpret_cast<const int*>(send_head) + static_cast<i64>(t) * R + lane) : -1;
+        // The warp waits as one: lane q < R polls rank q's tail until slot sh has arrived, and
+        // every lane goes round the loop until no lane waits (no lane spins on its own).
         bool ok = true;
-        if (sh >= 0 && seen <= sh) {
-            u64 start = 0;
-            for (;;) {
+        u64 start = 0;
+        for (;;) {
+            bool waiting = false;
+            if (ok && sh >= 0 && seen <= sh) {
                 const u64 w = ld_acquire_sys(tail);
                 seen = static_cast<i32>(static_cast<u32>(w));
                 const i64 announced = static_cast<i64>(w >> 32) - 1;
                 if (announced >= 0 && sh >= announced) {
                     fail(ctx, kOpCombine, kCodeMismatch, kBadSendHead, c, lane, t, sh, announced);
                     ok = false;
-                    break;
-                }
-                if (seen > sh) break;
-                if (!keep_waiting(ctx, start, kOpCombine, kWaitToken, c, lane, t, sh, seen)) {
-                    ok = false;
-                    break;
+                } else if (seen <= sh) {
+                    ok = keep_waiting(ctx, start, kOpCombine, kWaitToken, c, lane, t, sh, seen);
+                    waiting = ok;
                 }
             }
+            if (!__any_sync(0xffffffffu, waiting)) break;
         }
-        __syncwarp();
         if (ok && sh >= 0) {
             const i64 gs = static_cast<i64>(c * R + lane) * RS + sh % RS;
             const i32 got = ld_ring(reinterpret_cast<const int*>(buf + p.off_src) + gs);

@@ -79,6 +79,23 @@ def test_bench_json(tiny_report):
     assert "dispatch_bf16" in table and "baseline" in table
 
 
+def test_bench_replot(tiny_report, tmp_path):
+    """--replot draws a finished run's plots (from a GPU host without matplotlib) and records them in its report."""
+    report = json.loads(json.dumps(tiny_report[0]))
+    # A second point per line: the same measurements at twice the tokens.
+    report["results"] += [dict(r, tokens=2 * r["tokens"]) for r in report["results"]]
+    (tmp_path / "results.json").write_text(json.dumps(report))
+    again = bench.main(["--replot", str(tmp_path)])
+    assert json.loads((tmp_path / "results.json").read_text()) == again
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert again["plots"] == [] and "matplotlib" in again["plots_skipped"]
+        return
+    assert again["plots"] == ["gbps_vs_tokens.png"] and again["plots_skipped"] is None
+    assert (tmp_path / "gbps_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bench_tuning_round_trip(tiny_report, monkeypatch):
     report = tiny_report[0]
     with tempfile.TemporaryDirectory(prefix="pyep-tuning-test-") as tmp:

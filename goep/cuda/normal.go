@@ -98,6 +98,23 @@ func OpTimeout() time.Duration { return time.Duration(opTimeout.Load()) }
 // e.g. "-lineinfo" for compute-sanitizer's source lines).
 var extraFlags = strings.Fields(os.Getenv("PYEP_JIT_FLAGS"))
 
+// debugSync (PYEP_DEBUG_SYNC=1, a debugging aid) makes every launch wait for its kernel and
+// name the kernel that failed.
+var debugSync = os.Getenv("PYEP_DEBUG_SYNC") == "1"
+
+// launch queues f on the communication stream with one parameter struct.
+func (e *normalEngine) launch(f Function, grid, block uint32, params unsafe.Pointer) error {
+	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{block, 1, 1}, 0, e.b.comm, params); err != nil {
+		return err
+	}
+	if debugSync {
+		if err := e.b.comm.Synchronize(); err != nil {
+			return fmt.Errorf("pyep: kernel %s failed: %w; launch parameters: %#v", f.name, err, *e.params)
+		}
+	}
+	return nil
+}
+
 // hostGrace is how much longer than the kernels' own bound the host waits for a result before
 // it gives up on the GPU (the kernel may have started late, behind other work).
 const hostGrace = 5 * time.Second
@@ -685,7 +702,7 @@ func (b *Backend) Layout(a *goep.LayoutOp) error {
 	*p = layoutParams{Topk: ptr(a.TopkIdx), PerRank: ptr(a.PerRank), PerExpert: ptr(a.PerExpert), InRank: ptr(a.InRank),
 		Result: uint64(e.layoutDev), Tag: e.layoutTag, NumTokens: T, NumTopk: K, NumExperts: E, NumRanks: R}
 	grid := uint32(R + (E+layoutExpertsPerBlock-1)/layoutExpertsPerBlock)
-	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{uint32(threads), 1, 1}, 0, b.comm, unsafe.Pointer(p)); err != nil {
+	if err := e.launch(f, grid, uint32(threads), unsafe.Pointer(p)); err != nil {
 		return err
 	}
 	res := unsafe.Slice((*uint64)(e.layoutHost), 4)
@@ -772,7 +789,7 @@ func (b *Backend) Notify(topo goep.Topology, peers []goep.Region, a *goep.Notify
 	p.NumTokens, p.NumTopk, p.NumExperts = int32(a.NumTokens), K, int32(E)
 	p.Alignment, p.NumWorst = int32(a.ExpertAlignment), int32(a.NumWorstTokens)
 	seq := st.seq
-	if err := f.Launch([3]uint32{1, 1, 1}, [3]uint32{uint32(threads), 1, 1}, 0, b.comm, unsafe.Pointer(p)); err != nil {
+	if err := e.launch(f, 1, uint32(threads), unsafe.Pointer(p)); err != nil {
 		return 0, err
 	}
 	st.seq += 2
@@ -838,7 +855,7 @@ func (e *normalEngine) prologueFor(op int32, st *bufferState, topo goep.Topology
 	p := &e.params.prologue
 	e.fillCtx(&p.Ctx, st, topo, peers, cfg)
 	p.Op = op
-	if err := f.Launch([3]uint32{1, 1, 1}, [3]uint32{256, 1, 1}, 0, e.b.comm, unsafe.Pointer(p)); err != nil {
+	if err := e.launch(f, 1, 256, unsafe.Pointer(p)); err != nil {
 		return err
 	}
 	st.seq += 2
@@ -913,7 +930,7 @@ func (b *Backend) Dispatch(topo goep.Topology, peers []goep.Region, a *goep.Disp
 	p.RecvChannelPrefix, p.SendHead = ptr(a.RecvChannelPrefix), ptr(a.SendHead)
 	p.OffHidden, p.OffScales, p.OffSrc, p.OffTopk, p.OffWeights = uint64(off[0]), uint64(off[1]), uint64(off[2]), uint64(off[3]), uint64(off[4])
 	p.NumTokens, p.NumExperts, p.NumOutRows = int32(a.NumTokens), int32(a.NumExperts), int32(a.RecvX.Shape[0])
-	return f.Launch([3]uint32{uint32(2 * C), 1, 1}, [3]uint32{uint32(threads), 1, 1}, 0, b.comm, unsafe.Pointer(p))
+	return e.launch(f, uint32(2*C), uint32(threads), unsafe.Pointer(p))
 }
 
 func configString(c goep.Config) string {
@@ -994,5 +1011,5 @@ func (b *Backend) Combine(topo goep.Topology, peers []goep.Region, a *goep.Combi
 	p.Out, p.OutWeights = ptr(a.CombinedX), ptr(a.CombinedTopkWeights)
 	p.OffRow, p.OffSrc, p.OffWeights = uint64(off[0]), uint64(off[1]), uint64(off[2])
 	p.NumTokens, p.NumRows = int32(a.NumTokens), int32(a.X.Shape[0])
-	return f.Launch([3]uint32{uint32(2 * C), 1, 1}, [3]uint32{uint32(threads), 1, 1}, 0, b.comm, unsafe.Pointer(p))
+	return e.launch(f, uint32(2*C), uint32(threads), unsafe.Pointer(p))
 }

@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spawn", action="store_true", help="spawn ranks even if torchrun's environment or a process group is present")
     p.add_argument("--out", help="output folder (default bench/results/<host>-<timestamp>/)")
     p.add_argument("--no-plots", action="store_true", dest="no_plots", help="skip the PNG plots")
+    p.add_argument("--replot", metavar="DIR", help="measure nothing: draw the PNG plots of DIR/results.json (a run on a "
+                   "machine without matplotlib) into DIR and record them there")
     p.add_argument("--tuning-file", dest="tuning_file", help=f"where --tune writes (default ${tuning.ENV_FILE} or ~/.cache/pyep/tuning/<gpu>-<ranks>.json)")
     p.add_argument("--timeout", type=float, default=600, help="process group timeout, seconds (default 600)")
     p.add_argument("--quiet", action="store_true", help="no table rows or progress on stdout/stderr (JSON and files only)")
@@ -1117,7 +1119,8 @@ def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], ela
         report["plots_skipped"] = "--no-plots"
     else:
         try:
-            report["plots"], report["plots_skipped"] = plot(results, plan.reference, out_dir)
+            plots, report["plots_skipped"] = plot(results, plan.reference, out_dir)
+            report["plots"] = [os.path.basename(p) for p in plots]
         except Exception as e:  # noqa: BLE001 - a plot must not lose the measurements
             report["plots_skipped"] = f"plotting failed: {_err(e)}"
         if report["plots_skipped"]:
@@ -1125,9 +1128,22 @@ def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], ela
     path = os.path.join(out_dir, "results.json")
     with open(path, "w") as f:
         f.write(tuning.dumps(report) + "\n")
-    emit(f"wrote {path}" + "".join(f", {p}" for p in report["plots"]) + f" ({elapsed:.1f} s)")
+    emit(f"wrote {path}" + "".join(f", {os.path.join(out_dir, p)}" for p in report["plots"]) + f" ({elapsed:.1f} s)")
     with open(os.path.join(out_dir, "table.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    return report
+
+
+def replot(out_dir: str) -> dict:
+    """Draws the plots of the report in out_dir/results.json into out_dir and records them in the report."""
+    path = os.path.join(out_dir, "results.json")
+    with open(path) as f:
+        report = json.load(f)
+    plots, why = plot(report["results"], report["plan"]["reference"], out_dir)
+    report["plots"], report["plots_skipped"] = [os.path.basename(p) for p in plots], why
+    with open(path, "w") as f:
+        f.write(tuning.dumps(report) + "\n")
+    print(f"plots: {why}" if why else "wrote " + ", ".join(plots))
     return report
 
 
@@ -1206,6 +1222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[dict]:
     this process as one rank; otherwise (or with --spawn) spawns the ranks and returns rank 0's report.
     """
     args = parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     under_torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     if args.spawn or not (under_torchrun or dist.is_initialized()):
         return _spawn(args)
