@@ -48,6 +48,11 @@ def test_recommended_configs():
     assert pyep.Buffer.get_dispatch_config(3) == pyep.Buffer.get_dispatch_config(4)
     with pytest.raises(ValueError, match="num_ranks = 12: no recommended dispatch config"):
         pyep.Buffer.get_dispatch_config(12)
+    # The table is looked up once; every call still gets a Config of its own.
+    first, second = pyep.Buffer.get_dispatch_config(4), pyep.Buffer.get_dispatch_config(4)
+    assert first == second and first is not second
+    first.num_max_nvl_chunked_send_tokens = 1
+    assert pyep.Buffer.get_dispatch_config(4).num_max_nvl_chunked_send_tokens == 6
 
 
 def test_set_num_sms():

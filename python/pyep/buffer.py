@@ -427,8 +427,18 @@ class Buffer:
     # ---- normal mode -------------------------------------------------------------------------------------
 
     def _device(self) -> torch.device:
-        dev = self.runtime.get_local_device_id()
-        return torch.device("cpu") if dev < 0 else torch.device("cuda", dev)
+        device = self.__dict__.get("_device_cached")
+        if device is None:
+            dev = self.runtime.get_local_device_id()
+            device = self._device_cached = torch.device("cpu") if dev < 0 else torch.device("cuda", dev)
+        return device
+
+    def _multi_domain(self) -> bool:
+        """Whether the group spans NVLink domains (fixed for the buffer's life)."""
+        multi = self.__dict__.get("_multi_domain_cached")
+        if multi is None:
+            multi = self._multi_domain_cached = self.runtime.get_num_rdma_ranks() > 1
+        return multi
 
     def _events(self, previous_event: Optional[EventOverlap], async_finish: bool,
                 allocate_on_comm_stream: bool) -> Optional[tuple]:
@@ -530,7 +540,7 @@ class Buffer:
         dl = _DLPack()
         _core.call("Layout", self.runtime.id, dl(topk_idx), num_experts, dl(per_rank), dl(per_expert), dl(in_rank))
         per_rdma_rank = None
-        if self.runtime.get_num_rdma_ranks() > 1:
+        if self._multi_domain():
             per_rdma_rank = per_rank.view(-1, 8).sum(1, dtype=torch.int32)
         return per_rank, per_rdma_rank, per_expert, in_rank, self._finish(
             async_finish, (topk_idx, per_rank, per_expert, in_rank), streams)
@@ -586,7 +596,7 @@ class Buffer:
         """
         config = self._config(config, self.get_dispatch_config)
         device = self._device()
-        if self.runtime.get_num_rdma_ranks() > 1:
+        if self._multi_domain():
             raise _core.PyepError(f"dispatch across NVLink domains ({self.group_size} ranks) is not available yet")
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         if x_scales is None:
@@ -704,7 +714,7 @@ class Buffer:
         if config is None:
             # Combine runs on the dispatch's channels: the recommended config with the handle's SM count.
             c = self.get_combine_config(self.group_size)
-            config = Config(2 * recv_channel_prefix.size(1), *c._fields()[1:])
+            config = Config._trusted((2 * recv_channel_prefix.size(1),) + c._fields()[1:])
         config = self._config(config, self.get_combine_config)
         device = self._device()
         num_tokens, R = send_head.size(0), self.group_size
