@@ -4,6 +4,7 @@ The `group` is gloo (the cpu backend) unless PYEP_TEST_DEVICE=cuda, which makes 
 (the cuda backend); `device` is where the tests put their tensors."""
 import os
 import tempfile
+import time
 from datetime import timedelta
 
 import pytest
@@ -32,6 +33,9 @@ def group():
                                     timeout=GROUP_TIMEOUT)
     yield dist.group.WORLD
     dist.barrier()
+    # Let gloo's worker threads release the barrier's tensors before the interpreter exits (see
+    # test_no_shared_memory_left_after_exit: a late release during finalization aborts the process).
+    time.sleep(0.1)
 
 
 @pytest.fixture
