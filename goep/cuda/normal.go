@@ -542,6 +542,20 @@ func (e *normalEngine) begin() (end func(), err error) {
 	return func() { exit(); e.mu.Unlock() }, nil
 }
 
+// enterBuffer begins a call on this rank's region of peers: the engine locked, the context
+// entered, the region's state, whether the call before was a successful notify (cleared now),
+// and the buffer's recorded failure if it has one. end undoes begin, also after an error.
+func (e *normalEngine) enterBuffer(topo goep.Topology, peers []goep.Region) (end func(), st *bufferState, l *localRegion, notified bool, err error) {
+	if end, err = e.begin(); err != nil {
+		return end, nil, nil, false, err
+	}
+	if st, l, err = e.state(peers[topo.NVLRank]); err != nil {
+		return end, nil, nil, false, err
+	}
+	notified, st.notified = st.notified, false
+	return end, st, l, notified, e.usable(st)
+}
+
 // ptr is a tensor's device address (0 for an absent tensor).
 func ptr(t dlpack.Tensor) uint64 {
 	if !t.Valid {
@@ -725,17 +739,9 @@ func (b *Backend) Notify(topo goep.Topology, peers []goep.Region, a *goep.Notify
 		return 0, err
 	}
 	e := b.engine()
-	end, err := e.begin()
+	end, st, l, _, err := e.enterBuffer(topo, peers)
 	defer end()
 	if err != nil {
-		return 0, err
-	}
-	st, l, err := e.state(peers[topo.NVLRank])
-	if err != nil {
-		return 0, err
-	}
-	st.notified = false
-	if err := e.usable(st); err != nil {
 		return 0, err
 	}
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
@@ -872,18 +878,9 @@ func (b *Backend) Dispatch(topo goep.Topology, peers []goep.Region, a *goep.Disp
 		return err
 	}
 	e := b.engine()
-	end, err := e.begin()
+	end, st, l, notified, err := e.enterBuffer(topo, peers)
 	defer end()
 	if err != nil {
-		return err
-	}
-	st, l, err := e.state(peers[topo.NVLRank])
-	if err != nil {
-		return err
-	}
-	notified := st.notified
-	st.notified = false
-	if err := e.usable(st); err != nil {
 		return err
 	}
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
@@ -947,17 +944,9 @@ func (b *Backend) Combine(topo goep.Topology, peers []goep.Region, a *goep.Combi
 		return err
 	}
 	e := b.engine()
-	end, err := e.begin()
+	end, st, l, _, err := e.enterBuffer(topo, peers)
 	defer end()
 	if err != nil {
-		return err
-	}
-	st, l, err := e.state(peers[topo.NVLRank])
-	if err != nil {
-		return err
-	}
-	st.notified = false
-	if err := e.usable(st); err != nil {
 		return err
 	}
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
