@@ -85,6 +85,9 @@ type NotifyOp struct {
 	RankPrefix, ChannelPrefix, RecvChannelPrefix dlpack.Tensor
 	RecvPerExpert                                dlpack.Tensor
 	TopkIdx                                      dlpack.Tensor
+	// Capacity is the rows allocated for a dispatch queued behind this notify
+	// (SpeculativeEngine); 0 for a plain notify.
+	Capacity int
 }
 
 // DispatchOp is a checked dispatch (see normal.DispatchArgs); TopkIdx is absent when cached.
@@ -115,6 +118,15 @@ type NormalEngine interface {
 	Notify(topo Topology, peers []Region, a *NotifyOp) (int, error)
 	Dispatch(topo Topology, peers []Region, a *DispatchOp) error
 	Combine(topo Topology, peers []Region, a *CombineOp) error
+}
+
+// SpeculativeEngine is what a NormalEngine implements to queue a dispatch behind its notify,
+// before the host learns the row count: into rows allocated for n.Capacity tokens, which the
+// dispatch uses only if every rank's rows fit (the same verdict on every rank). It returns
+// the rows this rank receives and whether the dispatch ran; if not, the caller dispatches
+// again into exact rows, as after Notify.
+type SpeculativeEngine interface {
+	NotifyDispatch(topo Topology, peers []Region, n *NotifyOp, d *DispatchOp) (numRecv int, ran bool, err error)
 }
 
 func (b *Buffer) engine() (NormalEngine, []Region, error) {
@@ -176,26 +188,10 @@ type NotifyArgs struct {
 // Notify exchanges a dispatch's counts with every peer and returns how many rows this rank
 // receives.
 func (b *Buffer) Notify(a NotifyArgs) (int, error) {
-	R, C := int64(b.topo.NumRanks), int64(a.Config.NumChannels())
-	if a.NumExperts <= 0 || a.NumExperts%int(R) != 0 {
-		return 0, Argf("num_tokens_per_expert: %d experts, expected a positive multiple of num_ranks = %d", a.NumExperts, R)
+	op, err := b.notifyOp(a)
+	if err != nil {
+		return 0, err
 	}
-	ts := b.tensors()
-	op := &NotifyOp{Config: a.Config, NumExperts: a.NumExperts, ExpertAlignment: a.ExpertAlignment, NumWorstTokens: a.NumWorstTokens}
-	op.InRank = ts.Get("is_token_in_rank", a.IsTokenInRank, false, bool_, -1, R)
-	op.PerRank = ts.Get("num_tokens_per_rank", a.NumTokensPerRank, false, i32, R)
-	op.PerExpert = ts.Get("num_tokens_per_expert", a.NumTokensPerExpert, false, i32, int64(a.NumExperts))
-	op.RankPrefix = ts.Get("rank_prefix_matrix", a.RankPrefixMatrix, false, i32, R, R)
-	op.ChannelPrefix = ts.Get("channel_prefix_matrix", a.ChannelPrefixMatrix, false, i32, R, C)
-	op.RecvChannelPrefix = ts.Get("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, false, i32, R, C)
-	op.RecvPerExpert = ts.Get("num_recv_tokens_per_expert", a.NumRecvTokensPerExpert, false, i32, int64(a.NumExperts)/R)
-	if ts.Err == nil {
-		op.TopkIdx = ts.Get("topk_idx", a.TopkIdx, true, i64, op.InRank.Shape[0], -1)
-	}
-	if ts.Err != nil {
-		return 0, ts.Err
-	}
-	op.NumTokens = int(op.InRank.Shape[0])
 	eng, peers, err := b.engine()
 	if err != nil {
 		return 0, err
@@ -214,6 +210,60 @@ func (b *Buffer) Notify(a NotifyArgs) (int, error) {
 	return res.NumRecvTokens, wrap(err)
 }
 
+// NotifyDispatch is Notify and, queued behind it before its answer, Dispatch into rows
+// allocated for capacity tokens (see SpeculativeEngine): the host's wait for the counts no
+// longer delays the data. It returns the rows this rank receives and whether the dispatch ran;
+// if not (some rank's rows did not fit), Dispatch into exact rows follows.
+func (b *Buffer) NotifyDispatch(capacity int, na NotifyArgs, da DispatchArgs) (int, bool, error) {
+	n, err := b.notifyOp(na)
+	if err != nil {
+		return 0, false, err
+	}
+	d, err := b.dispatchOp(da)
+	if err != nil {
+		return 0, false, err
+	}
+	if int64(capacity) != d.RecvX.Shape[0] {
+		return 0, false, Argf("recv_x: %d rows, expected the capacity, %d", d.RecvX.Shape[0], capacity)
+	}
+	n.Capacity = capacity
+	eng, peers, err := b.engine()
+	if err != nil {
+		return 0, false, err
+	}
+	se, ok := eng.(SpeculativeEngine)
+	if !ok {
+		return 0, false, errors.New("a dispatch queued behind its notify is not available on this backend")
+	}
+	rows, ran, err := se.NotifyDispatch(b.topo, peers, n, d)
+	return rows, ran, wrap(err)
+}
+
+// notifyOp checks a notify's arguments.
+func (b *Buffer) notifyOp(a NotifyArgs) (*NotifyOp, error) {
+	R, C := int64(b.topo.NumRanks), int64(a.Config.NumChannels())
+	if a.NumExperts <= 0 || a.NumExperts%int(R) != 0 {
+		return nil, Argf("num_tokens_per_expert: %d experts, expected a positive multiple of num_ranks = %d", a.NumExperts, R)
+	}
+	ts := b.tensors()
+	op := &NotifyOp{Config: a.Config, NumExperts: a.NumExperts, ExpertAlignment: a.ExpertAlignment, NumWorstTokens: a.NumWorstTokens}
+	op.InRank = ts.Get("is_token_in_rank", a.IsTokenInRank, false, bool_, -1, R)
+	op.PerRank = ts.Get("num_tokens_per_rank", a.NumTokensPerRank, false, i32, R)
+	op.PerExpert = ts.Get("num_tokens_per_expert", a.NumTokensPerExpert, false, i32, int64(a.NumExperts))
+	op.RankPrefix = ts.Get("rank_prefix_matrix", a.RankPrefixMatrix, false, i32, R, R)
+	op.ChannelPrefix = ts.Get("channel_prefix_matrix", a.ChannelPrefixMatrix, false, i32, R, C)
+	op.RecvChannelPrefix = ts.Get("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, false, i32, R, C)
+	op.RecvPerExpert = ts.Get("num_recv_tokens_per_expert", a.NumRecvTokensPerExpert, false, i32, int64(a.NumExperts)/R)
+	if ts.Err == nil {
+		op.TopkIdx = ts.Get("topk_idx", a.TopkIdx, true, i64, op.InRank.Shape[0], -1)
+	}
+	if ts.Err != nil {
+		return nil, ts.Err
+	}
+	op.NumTokens = int(op.InRank.Shape[0])
+	return op, nil
+}
+
 // DispatchArgs are the tensors of a dispatch; a cached dispatch has no top-k tensors.
 type DispatchArgs struct {
 	Config                                             Config
@@ -226,6 +276,31 @@ type DispatchArgs struct {
 
 // Dispatch moves every token to the ranks of its experts.
 func (b *Buffer) Dispatch(a DispatchArgs) error {
+	op, err := b.dispatchOp(a)
+	if err != nil {
+		return err
+	}
+	eng, peers, err := b.engine()
+	if err != nil {
+		return err
+	}
+	if eng != nil {
+		return wrap(eng.Dispatch(b.topo, peers, op))
+	}
+	x, scales, topk, weights := op.X, op.XScales, op.TopkIdx, op.TopkWeights
+	return wrap(normal.Dispatch(b.domain(peers), &normal.DispatchArgs{
+		Config: a.Config.normal(), NumTokens: op.NumTokens, HiddenBytes: op.HiddenBytes, ScalesBytes: op.ScalesBytes,
+		NumTopk: op.NumTopk, NumExperts: a.NumExperts,
+		X: Bytes(x), XScales: Bytes(scales), TopkIdx: Int64s(topk), TopkWeights: Float32s(weights), IsTokenInRank: Bools(op.InRank),
+		RankPrefixMatrix: Int32s(op.RankPrefix), ChannelPrefixMatrix: Int32s(op.ChannelPrefix), NumWorstTokens: a.NumWorstTokens,
+		RecvX: Bytes(op.RecvX), RecvXScales: Bytes(op.RecvXScales), RecvSrcIdx: Int32s(op.RecvSrcIdx),
+		RecvTopkIdx: Int64s(op.RecvTopkIdx), RecvTopkWeights: Float32s(op.RecvTopkWeights),
+		RecvChannelPrefixMatrix: Int32s(op.RecvChannelPrefix), SendHead: Int32s(op.SendHead),
+	}))
+}
+
+// dispatchOp checks a dispatch's arguments.
+func (b *Buffer) dispatchOp(a DispatchArgs) (*DispatchOp, error) {
 	R, C := int64(b.topo.NumRanks), int64(a.Config.NumChannels())
 	ts := b.tensors()
 	x := ts.Get("x", a.X, false, anyRow, -1, -1)
@@ -262,29 +337,13 @@ func (b *Buffer) Dispatch(a DispatchArgs) error {
 	rcpm := ts.Get("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, true, i32, R, C)
 	sendHead := ts.Get("send_head", a.SendHead, true, i32, T, R)
 	if ts.Err != nil {
-		return ts.Err
+		return nil, ts.Err
 	}
-	op := &DispatchOp{Config: a.Config, NumTokens: int(T), HiddenBytes: RowBytes(x), ScalesBytes: RowBytes(scales),
+	return &DispatchOp{Config: a.Config, NumTokens: int(T), HiddenBytes: RowBytes(x), ScalesBytes: RowBytes(scales),
 		NumTopk: int(K), NumExperts: a.NumExperts, NumWorstTokens: a.NumWorstTokens,
 		X: x, XScales: scales, TopkIdx: topk, TopkWeights: weights, InRank: ir, RankPrefix: rpm, ChannelPrefix: cpm,
 		RecvX: recvX, RecvXScales: recvScales, RecvSrcIdx: srcIdx, RecvTopkIdx: recvTopk,
-		RecvTopkWeights: recvWeights, RecvChannelPrefix: rcpm, SendHead: sendHead}
-	eng, peers, err := b.engine()
-	if err != nil {
-		return err
-	}
-	if eng != nil {
-		return wrap(eng.Dispatch(b.topo, peers, op))
-	}
-	return wrap(normal.Dispatch(b.domain(peers), &normal.DispatchArgs{
-		Config: a.Config.normal(), NumTokens: op.NumTokens, HiddenBytes: op.HiddenBytes, ScalesBytes: op.ScalesBytes,
-		NumTopk: op.NumTopk, NumExperts: a.NumExperts,
-		X: Bytes(x), XScales: Bytes(scales), TopkIdx: Int64s(topk), TopkWeights: Float32s(weights), IsTokenInRank: Bools(ir),
-		RankPrefixMatrix: Int32s(rpm), ChannelPrefixMatrix: Int32s(cpm), NumWorstTokens: a.NumWorstTokens,
-		RecvX: Bytes(recvX), RecvXScales: Bytes(recvScales), RecvSrcIdx: Int32s(srcIdx),
-		RecvTopkIdx: Int64s(recvTopk), RecvTopkWeights: Float32s(recvWeights),
-		RecvChannelPrefixMatrix: Int32s(rcpm), SendHead: Int32s(sendHead),
-	}))
+		RecvTopkWeights: recvWeights, RecvChannelPrefix: rcpm, SendHead: sendHead}, nil
 }
 
 // CombineArgs are the tensors of a combine.

@@ -102,6 +102,7 @@ static_assert(sizeof(Ctx) == 184, "Ctx layout is shared with the host");
 constexpr int kCtlSignals = 0;  // u64 [8]
 constexpr int kCtlAbort = 64;   // u64
 constexpr int kCtlClaim = 72;   // u32
+enum : int { kCtlGo = 80 };     // u64: seq of the notify that let a queued dispatch run
 
 // The host reads this; layout shared with goep/cuda (64 bytes).
 struct OpError {
@@ -259,9 +260,15 @@ struct NotifyParams {
     u64 scratch_off;          // the scratch: R blocks of block_bytes, in every data region
     u64 block_bytes;
     i32 num_tokens, num_topk, num_experts, alignment;
-    i32 num_worst, pad;
+    i32 num_worst;
+    // Rows this rank allocated for a dispatch launched before the host learns the counts
+    // (0: none). It runs only if every rank's rows fit: notify then writes its seq at kCtlGo.
+    i32 capacity;
+    // The last get_dispatch_layout's record of a bad index (layout.cu; 0: no layout yet) and
+    // its tag: a match fails this dispatch on every rank.
+    u64 layout_rec, layout_tag;
 };
-static_assert(sizeof(NotifyParams) == 296, "NotifyParams layout is shared with the host");
+static_assert(sizeof(NotifyParams) == 312, "NotifyParams layout is shared with the host");
 
 // Host-mapped answer of notify; the host waits for tag == seq.
 struct NotifyResult {
@@ -271,9 +278,11 @@ struct NotifyResult {
     i32 bad_rank;     // kStatusPeer: the peer; kStatusWorst: the rank receiving most
     i32 peer_status;  // kStatusPeer: the peer's own status
     i64 d0, d1, d2;
+    i32 go;  // with a capacity: every rank's rows fit, the speculative dispatch runs
+    i32 pad;
     // followed by i32 per_expert[E/R]
 };
-static_assert(sizeof(NotifyResult) == 48, "NotifyResult layout is shared with the host");
+static_assert(sizeof(NotifyResult) == 56, "NotifyResult layout is shared with the host");
 
 enum : i32 {
     kStatusOK = 0,
@@ -282,11 +291,12 @@ enum : i32 {
     kStatusPerExpert = 3,  // num_tokens_per_expert[d0] = d1 < 0
     kStatusPeer = 4,       // rank bad_rank has invalid arguments (peer_status, d0..d2)
     kStatusWorst = 5,      // num_worst_tokens too small: rank bad_rank receives d0
+    kStatusLayout = 6,     // get_dispatch_layout's topk_idx[d0, d1] = d2 out of range
 };
 
 // Scratch block of one sender in a receiver's region: i64 status[4], i32 per_rank[R],
 // i32 counts[C] (its tokens to this receiver per channel), i32 per_expert[E/R] (for this
-// receiver's experts).
+// receiver's experts), i32 capacity.
 
 extern "C" __global__ void __launch_bounds__(kNotifyThreads, 1) pyep_notify(const NotifyParams p) {
     const Ctx& ctx = p.ctx;
@@ -317,12 +327,12 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads, 1) pyep_notify(cons
         i32 cnt[kRanks];
 #pragma unroll
         for (int d = 0; d < kRanks; d++) cnt[d] = 0;
-        for (i64 i = static_cast<i64>(lo) * R + lane; i < static_cast<i64>(hi) * R; i += 32) {
-            const int d = static_cast<int>(i % R);
-            const i32 v = in_rank[i] != 0 ? 1 : 0;
+        // A lane reads whole rows: R independent byte loads, coalesced over the warp.
+#pragma unroll 4
+        for (i32 t = lo + lane; t < hi; t += 32) {
+            const u8* row = in_rank + static_cast<i64>(t) * kRanks;
 #pragma unroll
-            for (int dd = 0; dd < kRanks; dd++)
-                if (dd == d) cnt[dd] += v;
+            for (int d = 0; d < kRanks; d++) cnt[d] += row[d] != 0 ? 1 : 0;
         }
 #pragma unroll
         for (int d = 0; d < kRanks; d++) {
@@ -332,11 +342,26 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads, 1) pyep_notify(cons
     }
     // Our own arguments.
     if (p.topk != 0) {
+        // Eight loads in flight per thread (the scan of [T, K] is most of notify's time), one
+        // shared atomic per warp.
+        constexpr int kU = 8;
         const i64* topk = reinterpret_cast<const i64*>(p.topk);
-        for (i64 i = tid; i < static_cast<i64>(T) * K; i += kNotifyThreads) {
-            const i64 e = topk[i];
-            if (e < -1 || e >= E) atomicMin(reinterpret_cast<long long*>(s_bad_topk), static_cast<long long>(i));
+        const i64 n = static_cast<i64>(T) * K;
+        i64 bad = 0x7fffffffffffffffll;
+        for (i64 base = tid; base < n; base += kNotifyThreads * kU) {
+            i64 e[kU];
+#pragma unroll
+            for (int u = 0; u < kU; u++) {
+                const i64 i = base + static_cast<i64>(u) * kNotifyThreads;
+                e[u] = i < n ? ld_nc(topk + i) : 0;
+            }
+#pragma unroll
+            for (int u = 0; u < kU; u++)
+                if (e[u] < -1 || e[u] >= E) bad = min(bad, base + static_cast<i64>(u) * kNotifyThreads);
         }
+        bad = warp_min(bad);
+        if (lane == 0 && bad != 0x7fffffffffffffffll)
+            atomicMin(reinterpret_cast<long long*>(s_bad_topk), static_cast<long long>(bad));
     }
     const i32* per_expert = reinterpret_cast<const i32*>(p.per_expert);
     for (int e = tid; e < E; e += kNotifyThreads)
@@ -352,9 +377,14 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads, 1) pyep_notify(cons
     if (tid == 0) {
         const i32* per_rank = reinterpret_cast<const i32*>(p.per_rank);
         i64 st[4] = {kStatusOK, 0, 0, 0};
+        const u64* lrec = reinterpret_cast<const u64*>(p.layout_rec);
         if (s_bad_topk[0] != 0x7fffffffffffffffll) {
             const i64 i = s_bad_topk[0];
             st[0] = kStatusTopk, st[1] = i / K, st[2] = i % K, st[3] = reinterpret_cast<const i64*>(p.topk)[i];
+        } else if (lrec != nullptr && ld_acquire_sys(lrec) == p.layout_tag) {
+            const u64 at = ld_volatile(lrec + 1);
+            st[0] = kStatusLayout, st[1] = static_cast<i64>(at >> 32), st[2] = static_cast<i64>(at & 0xffffffffu),
+            st[3] = static_cast<i64>(ld_volatile(lrec + 2));
         } else {
             for (int d = 0; d < R; d++) {
                 if (per_rank[d] != s_sum[d]) {
@@ -384,6 +414,7 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads, 1) pyep_notify(cons
         if (tid < R) ints[tid] = per_rank[tid];
         for (int c = tid; c < C; c += kNotifyThreads) ints[R + c] = cp[d * C + c];
         for (int i = tid; i < EPR; i += kNotifyThreads) ints[R + C + i] = per_expert[d * EPR + i];
+        if (tid == 0) ints[R + C + EPR] = p.capacity;
     }
     {
         u64* z = reinterpret_cast<u64*>(ctx.data[me]);
@@ -475,6 +506,17 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads, 1) pyep_notify(cons
                 if (s_col[j] > p.num_worst && (worst < 0 || s_col[j] > s_col[worst])) worst = j;
             if (worst >= 0) status = kStatusWorst, bad_rank = worst, d0 = s_col[worst];
         }
+        // Every rank sees every rank's rows and capacity, so all decide alike.
+        i32 go = 0;
+        if (status == kStatusOK && p.capacity > 0) {
+            go = 1;
+            for (int j = 0; j < R; j++) {
+                const i32 cap = blk_int(j, R + C + EPR);
+                if (cap > 0 && s_col[j] > cap) go = 0;
+            }
+            if (go) st_relaxed_sys(ctl_word(ctx, me, kCtlGo), ctx.seq);
+        }
+        st_relaxed_sys(&res->go, go);
         st_relaxed_sys(&res->num_recv, static_cast<i32>(s_col[me]));
         st_relaxed_sys(&res->status, status);
         st_relaxed_sys(&res->bad_rank, bad_rank);
@@ -575,12 +617,21 @@ struct DispatchParams {
     u64 recv_x, recv_scales, recv_src, recv_topk, recv_weights, recv_channel_prefix, send_head;
     u64 off_hidden, off_scales, off_src, off_topk, off_weights;  // slot field arrays, all rings
     i32 num_tokens, num_experts, num_out_rows, pad;
+    // A speculative dispatch (launched behind its notify, into num_out_rows allocated rows):
+    // that notify's seq, and the kernel runs only if the notify left it at kCtlGo. 0: runs.
+    u64 go_seq;
 };
-static_assert(sizeof(DispatchParams) == 352, "DispatchParams layout is shared with the host");
+static_assert(sizeof(DispatchParams) == 360, "DispatchParams layout is shared with the host");
 
 // One warp copies token tok of x into slot gs (ring * slots + slot) of rank d's rings.
 PYEP_DEVICE void push_token(const DispatchParams& p, int d, i64 gs, i32 tok, int lane) {
     u8* base = reinterpret_cast<u8*>(p.ctx.data[d]);
+    // The top-k loads go out before the row's copy, so that their latency hides behind it.
+    const i64* topk = reinterpret_cast<const i64*>(p.topk) + static_cast<i64>(tok) * kTopk;
+    const float* w = reinterpret_cast<const float*>(p.weights) + static_cast<i64>(tok) * kTopk;
+    i64 e0 = -1;
+    float w0 = 0.0f;
+    if (kTopk > 0 && lane < kTopk) e0 = ld_nc(topk + lane), w0 = ld_nc(w + lane);
     warp_copy<V, kCopyUnroll, false>(reinterpret_cast<V*>(base + p.off_hidden + gs * kHiddenBytes),
                            reinterpret_cast<const V*>(p.x + static_cast<u64>(tok) * kHiddenBytes), kHiddenBytes / kVec,
                            lane);
@@ -592,15 +643,13 @@ PYEP_DEVICE void push_token(const DispatchParams& p, int d, i64 gs, i32 tok, int
     if (lane == 0) reinterpret_cast<i32*>(base + p.off_src)[gs] = tok;
     if (kTopk > 0) {
         const i64 epr = p.num_experts / kRanks, lo = static_cast<i64>(d) * epr;
-        const i64* topk = reinterpret_cast<const i64*>(p.topk) + static_cast<i64>(tok) * kTopk;
-        const float* w = reinterpret_cast<const float*>(p.weights) + static_cast<i64>(tok) * kTopk;
         i64* dst_idx = reinterpret_cast<i64*>(base + p.off_topk) + gs * kTopk;
         float* dst_w = reinterpret_cast<float*>(base + p.off_weights) + gs * kTopk;
         for (int k = lane; k < kTopk; k += 32) {
-            const i64 e = ld_nc(topk + k) - lo;
+            const i64 e = (k == lane ? e0 : ld_nc(topk + k)) - lo;
             const bool mine = e >= 0 && e < epr;
             dst_idx[k] = mine ? e : -1;
-            dst_w[k] = mine ? ld_nc(w + k) : 0.0f;
+            dst_w[k] = mine ? (k == lane ? w0 : ld_nc(w + k)) : 0.0f;
         }
     }
 }
@@ -793,6 +842,13 @@ PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int s, int wg, in
         for (i32 i = done + wg; i < avail; i += kWarpsPerRank) {
             const i64 gs = static_cast<i64>(ring) * RS + i % RS;
             const i64 row = base + i;
+            // The small fields' loads go out before the row's copy (their latency hides behind it).
+            const i64* si = reinterpret_cast<const i64*>(buf + p.off_topk) + gs * kTopk;
+            const float* sw = reinterpret_cast<const float*>(buf + p.off_weights) + gs * kTopk;
+            i64 e0 = -1;
+            float w0 = 0.0f;
+            if (kTopk > 0 && p.recv_topk != 0 && lane < kTopk) e0 = ld_ring(si + lane), w0 = ld_ring(sw + lane);
+            const i32 src0 = lane == 0 && p.recv_src != 0 ? ld_ring(reinterpret_cast<const int*>(buf + p.off_src) + gs) : 0;
             warp_copy<V, kCopyUnroll, true>(reinterpret_cast<V*>(p.recv_x + row * kHiddenBytes),
                                   reinterpret_cast<const V*>(buf + p.off_hidden + gs * kHiddenBytes),
                                   kHiddenBytes / kVec, lane);
@@ -801,16 +857,13 @@ PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int s, int wg, in
                 float* dst = reinterpret_cast<float*>(p.recv_scales + row * kScalesBytes);
                 for (int k = lane; k < kScalesBytes / 4; k += 32) dst[k] = ld_ring(src + k);
             }
-            if (lane == 0 && p.recv_src != 0)
-                reinterpret_cast<i32*>(p.recv_src)[row] = ld_ring(reinterpret_cast<const int*>(buf + p.off_src) + gs);
+            if (lane == 0 && p.recv_src != 0) reinterpret_cast<i32*>(p.recv_src)[row] = src0;
             if (kTopk > 0 && p.recv_topk != 0) {
-                const i64* si = reinterpret_cast<const i64*>(buf + p.off_topk) + gs * kTopk;
-                const float* sw = reinterpret_cast<const float*>(buf + p.off_weights) + gs * kTopk;
                 i64* di = reinterpret_cast<i64*>(p.recv_topk) + row * kTopk;
                 float* dw = reinterpret_cast<float*>(p.recv_weights) + row * kTopk;
                 for (int k = lane; k < kTopk; k += 32) {
-                    di[k] = ld_ring(si + k);
-                    dw[k] = ld_ring(sw + k);
+                    di[k] = k == lane ? e0 : ld_ring(si + k);
+                    dw[k] = k == lane ? w0 : ld_ring(sw + k);
                 }
             }
         }
@@ -844,7 +897,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_dispatch(const Di
     const bool sender = blockIdx.x % 2 == 0;
     PYEP_SHARED(i64, s_avail, 2 * kRanks);
     PYEP_SHARED(i32, s_flag, kRanks + 1);
-    if (tid == 0) s_flag[kRanks] = start_ok(p.ctx, kOpDispatch) ? 0 : 1;
+    if (tid == 0) {
+        // Every rank reads the same verdict of notify: all run, or none does.
+        const bool skip = p.go_seq != 0 && ld_volatile(ctl_word(p.ctx, p.ctx.rank, kCtlGo)) != p.go_seq;
+        s_flag[kRanks] = skip ? 2 : start_ok(p.ctx, kOpDispatch) ? 0 : 1;
+    }
     __syncthreads();
     if (s_flag[kRanks] != 0) return;
     const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
@@ -852,7 +909,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_dispatch(const Di
         if (sender) dispatch_send(p, c, g, wg, lane, s_flag);
         else dispatch_recv(p, c, g, wg, lane, s_avail);
     }
-    if (!sender && p.num_out_rows > 0) dispatch_pad(p, c * kWarps + warp, p.ctx.num_channels * kWarps, lane);
+    // Only num_worst_tokens pads: a speculative dispatch's spare rows are not returned.
+    if (!sender && p.num_out_rows > 0 && p.go_seq == 0)
+        dispatch_pad(p, c * kWarps + warp, p.ctx.num_channels * kWarps, lane);
 }
 
 #endif  // PYEP_DISPATCH

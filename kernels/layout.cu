@@ -3,7 +3,9 @@
 //   num_tokens_per_rank [R]   tokens with at least one expert on rank r
 //   num_tokens_per_expert [E] (token, choice) pairs choosing expert e
 //   is_token_in_rank [T, R]   token t goes to rank r
-// and the first out-of-range index, which the host turns into an error.
+// and the first out-of-range index. The host does not wait for this kernel: block 0 records a bad
+// index, with the call's tag, in host-mapped memory that the next notify reads, so that the
+// dispatch after the layout fails on every rank (see NotifyParams.layout_rec in intranode.cu).
 //
 // Blocks [0, R) are rank blocks (block r writes column r of is_token_in_rank and counts rank
 // r; block 0 also checks every index), blocks [R, R + ceil(E/kExpertsPerBlock)) count experts.
@@ -34,7 +36,7 @@ struct LayoutParams {
     u64 per_rank;    // out i32 [R]
     u64 per_expert;  // out i32 [E]
     u64 in_rank;     // out bool [T, R]
-    u64 result;      // host-mapped u64 [3]: tag, first bad flat index + 1 (0: none), its value
+    u64 result;      // host-mapped u64 [3], written only on a bad index: tag, token << 32 | choice, value
     u64 tag;
     i32 num_tokens, num_topk, num_experts, num_ranks;
 };
@@ -74,11 +76,11 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1) pyep_layout(cons
             i64 first = 0x7fffffffffffffffll;
             for (int w = 0; w < kNW; w++) total += s_sum[w], first = min(first, s_bad[w]);
             reinterpret_cast<i32*>(p.per_rank)[b] = total;
-            if (check) {
+            if (check && first != 0x7fffffffffffffffll) {
+                // Calls are ordered on one stream: no other kernel writes the record meanwhile.
                 u64* res = reinterpret_cast<u64*>(p.result);
-                const bool found = first != 0x7fffffffffffffffll;
-                st_relaxed_sys(res + 1, found ? static_cast<u64>(first) + 1 : 0ull);
-                st_relaxed_sys(res + 2, found ? static_cast<u64>(topk[first]) : 0ull);
+                st_relaxed_sys(res + 1, static_cast<u64>(first / K) << 32 | static_cast<u64>(first % K));
+                st_relaxed_sys(res + 2, static_cast<u64>(topk[first]));
                 st_release_sys(res, p.tag);
             }
         }

@@ -40,6 +40,34 @@ func DispatchNotify(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int,
 		RecvChannelPrefixMatrix: recvChannelPrefix, NumRecvTokensPerExpert: recvPerExpert, TopkIdx: topkIdx})
 }
 
+// DispatchQueued is DispatchNotify with the data phase queued behind it, into recv tensors of
+// capacity rows, before the counts reach the host. It returns the rows this rank receives, or
+// -(rows + 1) when some rank's rows exceeded its capacity and the data phase did not run: a
+// Dispatch into exact rows must follow.
+func DispatchQueued(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int,
+	numExperts, expertAlignment, capacity int,
+	perRank, perExpert, inRank, rankPrefix, channelPrefix, recvChannelPrefix, recvPerExpert uintptr,
+	x, xScales, topkIdx, topkWeights, recvX, recvXScales, recvSrcIdx, recvTopkIdx, recvTopkWeights, sendHead uintptr) (n int, err error) {
+	defer guard("DispatchQueued", &err)
+	b, cfg, err := bufferWithConfig(id, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+	if err != nil {
+		return 0, err
+	}
+	rows, ran, err := b.NotifyDispatch(capacity,
+		goep.NotifyArgs{Config: cfg, NumExperts: numExperts, ExpertAlignment: expertAlignment,
+			NumTokensPerRank: perRank, NumTokensPerExpert: perExpert, IsTokenInRank: inRank, RankPrefixMatrix: rankPrefix,
+			ChannelPrefixMatrix: channelPrefix, RecvChannelPrefixMatrix: recvChannelPrefix,
+			NumRecvTokensPerExpert: recvPerExpert, TopkIdx: topkIdx},
+		goep.DispatchArgs{Config: cfg, NumExperts: numExperts, X: x, XScales: xScales, TopkIdx: topkIdx,
+			TopkWeights: topkWeights, IsTokenInRank: inRank, RankPrefixMatrix: rankPrefix, ChannelPrefixMatrix: channelPrefix,
+			RecvX: recvX, RecvXScales: recvXScales, RecvSrcIdx: recvSrcIdx, RecvTopkIdx: recvTopkIdx,
+			RecvTopkWeights: recvTopkWeights, SendHead: sendHead})
+	if err != nil || ran {
+		return rows, err
+	}
+	return -(rows + 1), nil
+}
+
 // Dispatch is the data phase of dispatch (cached when topkIdx is 0).
 func Dispatch(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int, numExperts, numWorstTokens int,
 	x, xScales, topkIdx, topkWeights, inRank, rankPrefix, channelPrefix,

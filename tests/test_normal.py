@@ -244,6 +244,11 @@ def good_call(group, device, buffer):
     return handle
 
 
+def layout_dict(layout):
+    per_rank, _, per_expert, in_rank, _ = layout
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+
 def test_bad_input_raises_and_next_call_works(group, device):
     R, me = group.size(), group.rank()
     buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), 256 * 2)
@@ -259,8 +264,15 @@ def test_bad_input_raises_and_next_call_works(group, device):
         buffer.dispatch(x, **layout, topk_idx=topk, topk_weights=w[:, :3].contiguous())
     with pytest.raises(ValueError, match=r"is_token_in_rank: shape"):
         buffer.dispatch(x[:16], **layout)
-    with pytest.raises(ValueError, match=rf"topk_idx\[\d+,\d+\] = {E} is out of range"):
-        buffer.get_dispatch_layout(torch.full_like(topk, E), E)
+    bad_layout = torch.full_like(topk, E)
+    if device.type == "cuda":
+        # The layout does not wait for the GPU: the dispatch after it reports the index, on every rank.
+        bad = layout_dict(buffer.get_dispatch_layout(bad_layout, E))
+        with pytest.raises(ValueError, match=rf"last get_dispatch_layout, topk_idx\[0,0\] = {E} is out of range"):
+            buffer.dispatch(x, **bad)
+    else:
+        with pytest.raises(ValueError, match=rf"topk_idx\[\d+,\d+\] = {E} is out of range"):
+            buffer.get_dispatch_layout(bad_layout, E)
     with pytest.raises(ValueError, match=r"num_experts = 0"):
         buffer.get_dispatch_layout(topk, 0)
     if R > 1:

@@ -119,6 +119,9 @@ func (e *normalEngine) launch(f Function, grid, block uint32, params unsafe.Poin
 // it gives up on the GPU (the kernel may have started late, behind other work).
 const hostGrace = 5 * time.Second
 
+// spinFor is how long waitHost polls without sleeping.
+const spinFor = 20 * time.Millisecond
+
 // Shapes of the host-device structs; kernels/intranode.cu and layout.cu have the same.
 type kctx struct {
 	Data, Ctl                                  [8]uint64
@@ -131,7 +134,9 @@ type notifyParams struct {
 	InRank, PerRank, PerExpert, Topk, RankPrefix, ChannelPrefix uint64
 	RecvChannelPrefix, RecvPerExpert, Result, ScratchOff        uint64
 	BlockBytes                                                  uint64
-	NumTokens, NumTopk, NumExperts, Alignment, NumWorst, Pad    int32
+	NumTokens, NumTopk, NumExperts, Alignment, NumWorst         int32
+	Capacity                                                    int32
+	LayoutRec, LayoutTag                                        uint64
 }
 
 type prologueParams struct {
@@ -146,6 +151,7 @@ type dispatchParams struct {
 	SendHead                                                             uint64
 	OffHidden, OffScales, OffSrc, OffTopk, OffWeights                    uint64
 	NumTokens, NumExperts, NumOutRows, Pad                               int32
+	GoSeq                                                                uint64
 }
 
 type combineParams struct {
@@ -176,14 +182,15 @@ type notifyResult struct {
 	Tag                                  uint64
 	NumRecv, Status, BadRank, PeerStatus int32
 	D0, D1, D2                           int64
+	Go, Pad                              int32
 }
 
 // Sizes the kernels static_assert or declare.
 const (
 	ctxBytes          = 184
-	notifyParamsBytes = 296
+	notifyParamsBytes = 312
 	opErrorBytes      = 64
-	notifyResultBytes = 48
+	notifyResultBytes = 56
 )
 
 // kernel files and kinds.
@@ -238,7 +245,9 @@ type normalEngine struct {
 	sources map[string]jit.Source
 	states  map[*localRegion]*bufferState
 
-	layoutHost unsafe.Pointer // u64 [4]: tag, bad index + 1, bad value
+	// The record of the last layout's bad index (u64 [4]: tag, token << 32 | choice, value),
+	// written by the layout kernel and read by the next notify; layoutTag numbers the layouts.
+	layoutHost unsafe.Pointer
 	layoutDev  DevicePtr
 	layoutTag  uint64
 
@@ -585,7 +594,7 @@ func counters(numChannels, numRanks int) (headOff, total int64) {
 
 // notifyScratch is the size of one sender's block and of the whole scratch.
 func notifyScratch(numRanks, numChannels, numExperts int) (block, total int64) {
-	block = align(32+4*int64(numRanks+numChannels+numExperts/numRanks), 16)
+	block = align(32+4*int64(numRanks+numChannels+numExperts/numRanks+1), 16)
 	return block, block * int64(numRanks)
 }
 
@@ -676,7 +685,9 @@ func (e *normalEngine) waitHost(tag *uint64, want uint64, st *bufferState, what 
 				return fmt.Errorf("pyep: %s: no answer from the GPU within %v (the communication stream is stuck behind other work, or a kernel hangs)", what, limit)
 			}
 		}
-		if i < 4096 {
+		// A sleep costs tens of microseconds of latency, as much as a notify takes: spin (as
+		// DeepEP does) while the answer may come soon, back off only in a long wait.
+		if i < 1<<10 || time.Since(start) < spinFor {
 			runtime.Gosched()
 			continue
 		}
@@ -685,8 +696,9 @@ func (e *normalEngine) waitHost(tag *uint64, want uint64, st *bufferState, what 
 	}
 }
 
-// Layout implements goep.NormalEngine: the counts on the GPU, then a wait for the check of
-// every expert index (so that an index out of range raises here, as on the cpu backend).
+// Layout implements goep.NormalEngine: the counts on the GPU, queued without a wait (DeepEP's
+// layout does not synchronise either). Its check of every expert index is recorded on the GPU
+// and reported by the next dispatch's notify, on every rank.
 func (b *Backend) Layout(a *goep.LayoutOp) error {
 	if err := b.checkDevice([]string{"topk_idx", "num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"},
 		a.TopkIdx, a.PerRank, a.PerExpert, a.InRank); err != nil {
@@ -711,31 +723,34 @@ func (b *Backend) Layout(a *goep.LayoutOp) error {
 	if err != nil {
 		return err
 	}
-	e.layoutTag++
 	p := &e.params.layout
 	*p = layoutParams{Topk: ptr(a.TopkIdx), PerRank: ptr(a.PerRank), PerExpert: ptr(a.PerExpert), InRank: ptr(a.InRank),
-		Result: uint64(e.layoutDev), Tag: e.layoutTag, NumTokens: T, NumTopk: K, NumExperts: E, NumRanks: R}
+		Result: uint64(e.layoutDev), Tag: e.layoutTag + 1, NumTokens: T, NumTopk: K, NumExperts: E, NumRanks: R}
 	grid := uint32(R + (E+layoutExpertsPerBlock-1)/layoutExpertsPerBlock)
 	if err := e.launch(f, grid, uint32(threads), unsafe.Pointer(p)); err != nil {
 		return err
 	}
-	res := unsafe.Slice((*uint64)(e.layoutHost), 4)
-	if err := e.waitHost(&res[0], e.layoutTag, nil, "get_dispatch_layout"); err != nil {
-		return err
-	}
-	if bad := atomic.LoadUint64(&res[1]); bad != 0 {
-		i := int64(bad - 1)
-		return goep.Argf("layout: topk_idx[%d,%d] = %d is out of range [0, %d) (or -1 for no expert)",
-			i/int64(K), i%int64(K), int64(atomic.LoadUint64(&res[2])), E)
-	}
+	e.layoutTag++
 	return nil
+}
+
+func (b *Backend) checkNotify(a *goep.NotifyOp) error {
+	return b.checkDevice([]string{"num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "rank_prefix_matrix",
+		"channel_prefix_matrix", "recv_channel_prefix_matrix", "num_recv_tokens_per_expert", "topk_idx"},
+		a.PerRank, a.PerExpert, a.InRank, a.RankPrefix, a.ChannelPrefix, a.RecvChannelPrefix, a.RecvPerExpert, a.TopkIdx)
+}
+
+func (b *Backend) checkDispatch(a *goep.DispatchOp) error {
+	return b.checkDevice([]string{"x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
+		"channel_prefix_matrix", "recv_x", "recv_x_scales", "recv_src_idx", "recv_topk_idx", "recv_topk_weights",
+		"recv_channel_prefix_matrix", "send_head"},
+		a.X, a.XScales, a.TopkIdx, a.TopkWeights, a.InRank, a.RankPrefix, a.ChannelPrefix, a.RecvX, a.RecvXScales,
+		a.RecvSrcIdx, a.RecvTopkIdx, a.RecvTopkWeights, a.RecvChannelPrefix, a.SendHead)
 }
 
 // Notify implements goep.NormalEngine.
 func (b *Backend) Notify(topo goep.Topology, peers []goep.Region, a *goep.NotifyOp) (int, error) {
-	if err := b.checkDevice([]string{"num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "rank_prefix_matrix",
-		"channel_prefix_matrix", "recv_channel_prefix_matrix", "num_recv_tokens_per_expert", "topk_idx"},
-		a.PerRank, a.PerExpert, a.InRank, a.RankPrefix, a.ChannelPrefix, a.RecvChannelPrefix, a.RecvPerExpert, a.TopkIdx); err != nil {
+	if err := b.checkNotify(a); err != nil {
 		return 0, err
 	}
 	e := b.engine()
@@ -744,21 +759,88 @@ func (b *Backend) Notify(topo goep.Topology, peers []goep.Region, a *goep.Notify
 	if err != nil {
 		return 0, err
 	}
+	f, scratchOff, err := e.prepareNotify(st, l, topo, peers, a)
+	if err != nil {
+		return 0, err
+	}
+	seq, err := e.launchNotify(f, st)
+	if err != nil {
+		return 0, err
+	}
+	n, _, err := e.finishNotify(st, seq, topo, a, scratchOff)
+	return n, err
+}
+
+// NotifyDispatch implements goep.SpeculativeEngine: notify, and behind it on the stream the
+// dispatch into rows allocated before the counts are known (n.Capacity of them), then the
+// wait for notify's answer. The dispatch runs only if every rank's rows fit (notify's verdict,
+// the same on every rank); otherwise it returns at once, ran is false, and the caller
+// dispatches again into exact rows (that Dispatch follows the notify, as after Notify).
+func (b *Backend) NotifyDispatch(topo goep.Topology, peers []goep.Region, n *goep.NotifyOp, d *goep.DispatchOp) (numRecv int, ran bool, err error) {
+	if err := b.checkNotify(n); err != nil {
+		return 0, false, err
+	}
+	if err := b.checkDispatch(d); err != nil {
+		return 0, false, err
+	}
+	if n.Capacity <= 0 || int64(n.Capacity) != d.RecvX.Shape[0] {
+		return 0, false, goep.Argf("dispatch: capacity = %d for %d allocated rows", n.Capacity, d.RecvX.Shape[0])
+	}
+	e := b.engine()
+	end, st, l, _, err := e.enterBuffer(topo, peers)
+	defer end()
+	if err != nil {
+		return 0, false, err
+	}
+	// Everything is checked and compiled before the first launch: once notify runs, the peers
+	// count on this rank's dispatch.
+	fn, scratchOff, err := e.prepareNotify(st, l, topo, peers, n)
+	if err != nil {
+		return 0, false, err
+	}
+	fd, off, err := e.prepareDispatch(st, l, topo, d, scratchOff)
+	if err != nil {
+		return 0, false, err
+	}
+	seq, err := e.launchNotify(fn, st)
+	if err != nil {
+		return 0, false, err
+	}
+	e.fillDispatch(st, topo, peers, d, off, seq)
+	if err := e.launch(fd, uint32(2*d.Config.NumChannels()), uint32(e.opts.Threads), unsafe.Pointer(&e.params.dispatch)); err != nil {
+		if st.dead == nil {
+			st.dead = fmt.Errorf("pyep: dispatch: the launch after its notify failed: %w", err)
+		}
+		return 0, false, err
+	}
+	numRecv, ran, err = e.finishNotify(st, seq, topo, n, scratchOff)
+	if ran {
+		st.notified = false // the dispatch consumed the notify
+	}
+	return numRecv, ran, err
+}
+
+// prepareNotify checks a notify, finds its kernel and fills its launch parameters.
+func (e *normalEngine) prepareNotify(st *bufferState, l *localRegion, topo goep.Topology, peers []goep.Region,
+	a *goep.NotifyOp) (f Function, scratchOff int64, err error) {
+	b := e.b
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	E := a.NumExperts
 	switch {
 	case a.ExpertAlignment < 1 || a.ExpertAlignment > 1<<20:
-		return 0, goep.Argf("dispatch: expert_alignment = %d must be in [1, 2^20]", a.ExpertAlignment)
+		return f, 0, goep.Argf("dispatch: expert_alignment = %d must be in [1, 2^20]", a.ExpertAlignment)
 	case a.NumWorstTokens < 0 || a.NumWorstTokens > 1<<31-2:
-		return 0, goep.Argf("dispatch: num_worst_tokens = %d is out of range", a.NumWorstTokens)
+		return f, 0, goep.Argf("dispatch: num_worst_tokens = %d is out of range", a.NumWorstTokens)
 	case a.NumTokens > 1<<31-2:
-		return 0, goep.Argf("dispatch: num_tokens = %d is out of range", a.NumTokens)
+		return f, 0, goep.Argf("dispatch: num_tokens = %d is out of range", a.NumTokens)
+	case a.Capacity < 0 || a.Capacity > 1<<31-2:
+		return f, 0, goep.Argf("dispatch: capacity = %d is out of range", a.Capacity)
 	}
 	blockBytes, scratch := notifyScratch(R, C, E)
-	scratchOff := (l.size - scratch) / 16 * 16
+	scratchOff = (l.size - scratch) / 16 * 16
 	_, counterBytes := counters(C, R)
 	if counterBytes > scratchOff {
-		return 0, tooSmall("dispatch", me, l.size, counterBytes+scratch,
+		return f, 0, tooSmall("dispatch", me, l.size, counterBytes+scratch,
 			fmt.Sprintf("the ring counters and the count exchange of %d ranks, %d channels and %d experts", R, C, E))
 	}
 	epr := E / R
@@ -769,15 +851,14 @@ func (b *Backend) Notify(topo goep.Topology, peers []goep.Region, a *goep.Notify
 		}
 		n := max(epr, 256)
 		if st.resHost, st.resDev, err = b.hostAlloc(notifyResultBytes + 4*n); err != nil {
-			return 0, err
+			return f, 0, err
 		}
 		st.resCap = n
 	}
 	threads := int32(e.opts.NotifyThreads)
 	key := kernelKey{kind: kindNotify, name: nameNotify, ranks: int32(R), threads: threads}
-	f, err := e.function(key, "intranode.cu", func() map[string]string { return NotifyDefines(R, int(threads), e.opts.Threads) })
-	if err != nil {
-		return 0, err
+	if f, err = e.function(key, "intranode.cu", func() map[string]string { return NotifyDefines(R, int(threads), e.opts.Threads) }); err != nil {
+		return f, 0, err
 	}
 	p := &e.params.notify
 	e.fillCtx(&p.Ctx, st, topo, peers, a.Config)
@@ -793,33 +874,49 @@ func (b *Backend) Notify(topo goep.Topology, peers []goep.Region, a *goep.Notify
 	p.RecvPerExpert, p.Result = ptr(a.RecvPerExpert), uint64(st.resDev)
 	p.ScratchOff, p.BlockBytes = uint64(scratchOff), uint64(blockBytes)
 	p.NumTokens, p.NumTopk, p.NumExperts = int32(a.NumTokens), K, int32(E)
-	p.Alignment, p.NumWorst = int32(a.ExpertAlignment), int32(a.NumWorstTokens)
-	seq := st.seq
-	if err := e.launch(f, 1, uint32(threads), unsafe.Pointer(p)); err != nil {
+	p.Alignment, p.NumWorst, p.Capacity = int32(a.ExpertAlignment), int32(a.NumWorstTokens), int32(a.Capacity)
+	p.LayoutRec, p.LayoutTag = 0, 0
+	if e.layoutTag > 0 {
+		p.LayoutRec, p.LayoutTag = uint64(e.layoutDev), e.layoutTag
+	}
+	return f, scratchOff, nil
+}
+
+// launchNotify queues the prepared notify; it returns the notify's barrier number.
+func (e *normalEngine) launchNotify(f Function, st *bufferState) (seq uint64, err error) {
+	seq = st.seq
+	if err := e.launch(f, 1, uint32(e.opts.NotifyThreads), unsafe.Pointer(&e.params.notify)); err != nil {
 		return 0, err
 	}
 	st.seq += 2
+	return seq, nil
+}
+
+// finishNotify waits for the answer of the notify with barrier number seq.
+func (e *normalEngine) finishNotify(st *bufferState, seq uint64, topo goep.Topology, a *goep.NotifyOp, scratchOff int64) (int, bool, error) {
 	res := (*notifyResult)(st.resHost)
 	if err := e.waitHost(&res.Tag, seq, st, "dispatch (notify)"); err != nil {
 		if st.dead == nil {
 			st.dead, st.reported = err, true
 		}
-		return 0, err
+		return 0, false, err
 	}
 	r := *res
+	E, me := a.NumExperts, topo.NVLRank
 	switch r.Status {
 	case 0:
 	case 4:
-		return 0, fmt.Errorf("dispatch: rank %d: no rank dispatches: rank %d has invalid arguments: %v", me, r.BadRank,
+		return 0, false, fmt.Errorf("dispatch: rank %d: no rank dispatches: rank %d has invalid arguments: %v", me, r.BadRank,
 			statusError(r.PeerStatus, int(r.BadRank), r.D0, r.D1, r.D2, E))
 	case 5:
-		return 0, goep.Argf("dispatch: num_worst_tokens = %d is too small: rank %d receives %d tokens", a.NumWorstTokens, r.BadRank, r.D0)
+		return 0, false, goep.Argf("dispatch: num_worst_tokens = %d is too small: rank %d receives %d tokens", a.NumWorstTokens, r.BadRank, r.D0)
 	default:
-		return 0, statusError(r.Status, me, r.D0, r.D1, r.D2, E)
+		return 0, false, statusError(r.Status, me, r.D0, r.D1, r.D2, E)
 	}
+	epr := E / topo.NumNVLRanks
 	st.perExpert = append(st.perExpert[:0], unsafe.Slice((*int32)(unsafe.Add(st.resHost, notifyResultBytes)), epr)...)
 	st.notified, st.scratchOff = true, scratchOff
-	return int(r.NumRecv), nil
+	return int(r.NumRecv), r.Go != 0, nil
 }
 
 // statusError is rank's own invalid argument as notify found it.
@@ -831,6 +928,9 @@ func statusError(status int32, rank int, d0, d1, d2 int64, numExperts int) error
 		return goep.Argf("dispatch: rank %d: num_tokens_per_rank[%d] = %d but is_token_in_rank routes %d tokens to rank %d", rank, d0, d1, d2, d0)
 	case 3:
 		return goep.Argf("dispatch: rank %d: num_tokens_per_expert[%d] = %d is out of range", rank, d0, d1)
+	case 6:
+		return goep.Argf("dispatch: rank %d: in its last get_dispatch_layout, topk_idx[%d,%d] = %d is out of range [0, %d) "+
+			"(or -1 for no expert); on cuda the layout does not wait for the GPU, so the dispatch after it reports the index", rank, d0, d1, d2, numExperts)
 	}
 	return fmt.Errorf("dispatch: rank %d: notify status %d", rank, status)
 }
@@ -870,11 +970,7 @@ func (e *normalEngine) prologueFor(op int32, st *bufferState, topo goep.Topology
 
 // Dispatch implements goep.NormalEngine: it queues the kernels and returns.
 func (b *Backend) Dispatch(topo goep.Topology, peers []goep.Region, a *goep.DispatchOp) error {
-	if err := b.checkDevice([]string{"x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
-		"channel_prefix_matrix", "recv_x", "recv_x_scales", "recv_src_idx", "recv_topk_idx", "recv_topk_weights",
-		"recv_channel_prefix_matrix", "send_head"},
-		a.X, a.XScales, a.TopkIdx, a.TopkWeights, a.InRank, a.RankPrefix, a.ChannelPrefix, a.RecvX, a.RecvXScales,
-		a.RecvSrcIdx, a.RecvTopkIdx, a.RecvTopkWeights, a.RecvChannelPrefix, a.SendHead); err != nil {
+	if err := b.checkDispatch(a); err != nil {
 		return err
 	}
 	e := b.engine()
@@ -883,33 +979,12 @@ func (b *Backend) Dispatch(topo goep.Topology, peers []goep.Region, a *goep.Disp
 	if err != nil {
 		return err
 	}
-	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
-	slots := a.Config.NumMaxNVLChunkedRecvTokens
-	switch {
-	case a.NumTopk > goep.MaxTopK:
-		return goep.Argf("dispatch: num_topk = %d: at most %d supported", a.NumTopk, goep.MaxTopK)
-	case a.NumTopk > 0 && (a.NumExperts <= 0 || a.NumExperts%R != 0):
-		return goep.Argf("dispatch: num_experts = %d must be a positive multiple of num_ranks = %d", a.NumExperts, R)
-	case a.HiddenBytes <= 0 || a.HiddenBytes > 1<<24 || a.ScalesBytes%4 != 0 || a.ScalesBytes > 1<<16:
-		return goep.Argf("dispatch: %d bytes of hidden and %d of scales per token are not supported", a.HiddenBytes, a.ScalesBytes)
-	}
-	off, need := dispatchLayout(C, R, slots, a.HiddenBytes, a.ScalesBytes, a.NumTopk)
 	// After a notify its scratch (at the end of every region) may still be read by a peer.
-	limit, what := l.size, "the rings"
+	limit := l.size
 	if notified {
-		limit, what = st.scratchOff, "the rings (and the count exchange after them)"
+		limit = st.scratchOff
 	}
-	if need > limit {
-		return tooSmall("dispatch", me, l.size, need+l.size-limit, fmt.Sprintf("%s of %d ranks x %d channels x %d slots of %d bytes (hidden %d, scales %d, top-k %d) with %v",
-			what, R, C, slots, a.HiddenBytes+a.ScalesBytes+4+12*a.NumTopk, a.HiddenBytes, a.ScalesBytes, a.NumTopk, configString(a.Config)))
-	}
-	threads := int32(e.opts.Threads)
-	vec := vecBytes(a.HiddenBytes, ptr(a.X), ptr(a.RecvX))
-	key := kernelKey{kind: kindDispatch, name: nameDispatch, ranks: int32(R), a: int32(a.HiddenBytes), b: int32(a.ScalesBytes),
-		c: int32(a.NumTopk), d: int32(vec), threads: threads}
-	f, err := e.function(key, "intranode.cu", func() map[string]string {
-		return DispatchDefines(R, a.HiddenBytes, a.ScalesBytes, a.NumTopk, vec, int(threads))
-	})
+	f, off, err := e.prepareDispatch(st, l, topo, a, limit)
 	if err != nil {
 		return err
 	}
@@ -918,6 +993,45 @@ func (b *Backend) Dispatch(topo goep.Topology, peers []goep.Region, a *goep.Disp
 			return err
 		}
 	}
+	e.fillDispatch(st, topo, peers, a, off, 0)
+	return e.launch(f, uint32(2*a.Config.NumChannels()), uint32(e.opts.Threads), unsafe.Pointer(&e.params.dispatch))
+}
+
+// prepareDispatch checks a dispatch whose rings must end by limit (the region's end, or the
+// scratch of the notify before it) and finds its kernel.
+func (e *normalEngine) prepareDispatch(st *bufferState, l *localRegion, topo goep.Topology, a *goep.DispatchOp, limit int64) (f Function, off [5]int64, err error) {
+	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
+	slots := a.Config.NumMaxNVLChunkedRecvTokens
+	switch {
+	case a.NumTopk > goep.MaxTopK:
+		return f, off, goep.Argf("dispatch: num_topk = %d: at most %d supported", a.NumTopk, goep.MaxTopK)
+	case a.NumTopk > 0 && (a.NumExperts <= 0 || a.NumExperts%R != 0):
+		return f, off, goep.Argf("dispatch: num_experts = %d must be a positive multiple of num_ranks = %d", a.NumExperts, R)
+	case a.HiddenBytes <= 0 || a.HiddenBytes > 1<<24 || a.ScalesBytes%4 != 0 || a.ScalesBytes > 1<<16:
+		return f, off, goep.Argf("dispatch: %d bytes of hidden and %d of scales per token are not supported", a.HiddenBytes, a.ScalesBytes)
+	}
+	off, need := dispatchLayout(C, R, slots, a.HiddenBytes, a.ScalesBytes, a.NumTopk)
+	if need > limit {
+		what := "the rings"
+		if limit < l.size {
+			what = "the rings (and the count exchange after them)"
+		}
+		return f, off, tooSmall("dispatch", me, l.size, need+l.size-limit, fmt.Sprintf("%s of %d ranks x %d channels x %d slots of %d bytes (hidden %d, scales %d, top-k %d) with %v",
+			what, R, C, slots, a.HiddenBytes+a.ScalesBytes+4+12*a.NumTopk, a.HiddenBytes, a.ScalesBytes, a.NumTopk, configString(a.Config)))
+	}
+	threads := int32(e.opts.Threads)
+	vec := vecBytes(a.HiddenBytes, ptr(a.X), ptr(a.RecvX))
+	key := kernelKey{kind: kindDispatch, name: nameDispatch, ranks: int32(R), a: int32(a.HiddenBytes), b: int32(a.ScalesBytes),
+		c: int32(a.NumTopk), d: int32(vec), threads: threads}
+	f, err = e.function(key, "intranode.cu", func() map[string]string {
+		return DispatchDefines(R, a.HiddenBytes, a.ScalesBytes, a.NumTopk, vec, int(threads))
+	})
+	return f, off, err
+}
+
+// fillDispatch fills the dispatch's launch parameters; goSeq is the notify that must let a
+// speculative dispatch run (0: it runs).
+func (e *normalEngine) fillDispatch(st *bufferState, topo goep.Topology, peers []goep.Region, a *goep.DispatchOp, off [5]int64, goSeq uint64) {
 	p := &e.params.dispatch
 	e.fillCtx(&p.Ctx, st, topo, peers, a.Config)
 	p.X, p.XScales, p.Topk, p.Weights, p.InRank = ptr(a.X), ptr(a.XScales), ptr(a.TopkIdx), ptr(a.TopkWeights), ptr(a.InRank)
@@ -927,7 +1041,7 @@ func (b *Backend) Dispatch(topo goep.Topology, peers []goep.Region, a *goep.Disp
 	p.RecvChannelPrefix, p.SendHead = ptr(a.RecvChannelPrefix), ptr(a.SendHead)
 	p.OffHidden, p.OffScales, p.OffSrc, p.OffTopk, p.OffWeights = uint64(off[0]), uint64(off[1]), uint64(off[2]), uint64(off[3]), uint64(off[4])
 	p.NumTokens, p.NumExperts, p.NumOutRows = int32(a.NumTokens), int32(a.NumExperts), int32(a.RecvX.Shape[0])
-	return e.launch(f, uint32(2*C), uint32(threads), unsafe.Pointer(p))
+	p.GoSeq = goSeq
 }
 
 func configString(c goep.Config) string {

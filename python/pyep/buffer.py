@@ -74,6 +74,7 @@ def _check_int(name: str, value: object, low: int) -> int:
 
 # Token rows a dispatch moves (BF16 is DeepEP's; the others move as bytes too) and rows combine sums.
 _ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_QUEUED_DISPATCH = os.environ.get("PYEP_QUEUED_DISPATCH", "1") != "0"
 
 
 def _bytes_view(addr: int) -> torch.Tensor:
@@ -261,6 +262,7 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self._handles = weakref.WeakValueDictionary()
         self._comm_stream = None
+        self._queued_rows = 0  # the most rows a queued dispatch of this rank had to redo
         self.runtime = _Runtime(_backend_for(group), self.rank, self.group_size, num_nvl_bytes, num_rdma_bytes,
                                 low_latency_mode, explicitly_destroy, enable_shrink, use_fabric)
         _live.add(self)
@@ -432,6 +434,10 @@ class Buffer:
             dev = self.runtime.get_local_device_id()
             device = self._device_cached = torch.device("cpu") if dev < 0 else torch.device("cuda", dev)
         return device
+
+    def _queues_dispatch(self) -> bool:
+        """Whether a dispatch queues its data phase behind notify (cuda; PYEP_QUEUED_DISPATCH=0 turns it off)."""
+        return self._device().type == "cuda" and _QUEUED_DISPATCH
 
     def _multi_domain(self) -> bool:
         """Whether the group spans NVLink domains (fixed for the buffer's life)."""
@@ -651,31 +657,55 @@ class Buffer:
             channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=device)
             recv_channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=device)
             recv_per_expert = torch.empty(num_experts // R, dtype=torch.int32, device=device)
-        num_recv = _core.call("DispatchNotify", self.runtime.id, *fields, num_experts, expert_alignment, num_worst_tokens,
-                              dl(num_tokens_per_rank), dl(num_tokens_per_expert), dl(is_token_in_rank),
-                              dl(rank_prefix), dl(channel_prefix), dl(recv_channel_prefix), dl(recv_per_expert),
-                              dl(topk_idx))
-        rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
+        K = 0 if topk_idx is None else topk_idx.size(1)
+
+        def outputs(rows):
+            with self._allocating(streams):
+                return (torch.empty((rows, x.size(1)), dtype=x.dtype, device=device),
+                        None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=device),
+                        torch.empty(rows, dtype=torch.int32, device=device),
+                        None if K == 0 else torch.empty((rows, K), dtype=topk_idx_t, device=device),
+                        None if K == 0 else torch.empty((rows, K), dtype=torch.float32, device=device))
+
+        layout = (dl(num_tokens_per_rank), dl(num_tokens_per_expert), dl(is_token_in_rank), dl(rank_prefix),
+                  dl(channel_prefix), dl(recv_channel_prefix), dl(recv_per_expert))
         with self._allocating(streams):
-            recv_x = torch.empty((rows, x.size(1)), dtype=x.dtype, device=device)
-            recv_scales = None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=device)
-            recv_src_idx = torch.empty(rows, dtype=torch.int32, device=device)
-            recv_topk_idx = recv_topk_weights = None
-            if topk_idx is not None:
-                recv_topk_idx = torch.empty((rows, topk_idx.size(1)), dtype=topk_idx_t, device=device)
-                recv_topk_weights = torch.empty((rows, topk_idx.size(1)), dtype=torch.float32, device=device)
             send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=device)
-        _core.call("Dispatch", self.runtime.id, *fields, num_experts, num_worst_tokens, dl(x), dl(x_scales), dl(topk_idx),
-                   dl(topk_weights), dl(is_token_in_rank), dl(rank_prefix), dl(channel_prefix), dl(recv_x),
-                   dl(recv_scales), dl(recv_src_idx), dl(recv_topk_idx), dl(recv_topk_weights), 0, dl(send_head))
+        num_recv = -1
+        if num_worst_tokens == 0 and self._queues_dispatch():
+            # The data phase is queued behind notify before the counts reach the host, into rows for the most
+            # this rank can receive when every rank has as many tokens (or the most seen before); the returned
+            # tensors are views of the rows received. If some rank's rows do not fit, nothing moved and the
+            # data phase runs again into exact rows.
+            capacity = max(R * num_tokens, self._queued_rows, 1)
+            out = outputs(capacity)
+            n = _core.call("DispatchQueued", self.runtime.id, *fields, num_experts, expert_alignment, capacity, *layout,
+                           dl(x), dl(x_scales), dl(topk_idx), dl(topk_weights), *(dl(t) for t in out), dl(send_head))
+            if n >= 0:
+                num_recv = n
+                recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = (
+                    None if t is None else t[:n] for t in out)
+            else:
+                self._queued_rows = max(self._queued_rows, -n - 1)
+                rows = -n - 1
+        else:
+            rows = _core.call("DispatchNotify", self.runtime.id, *fields, num_experts, expert_alignment, num_worst_tokens,
+                              *layout, dl(topk_idx))
+            if num_worst_tokens > 0:
+                rows = num_worst_tokens
+        if num_recv < 0:
+            recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = outputs(rows)
+            _core.call("Dispatch", self.runtime.id, *fields, num_experts, num_worst_tokens, dl(x), dl(x_scales), dl(topk_idx),
+                       dl(topk_weights), dl(is_token_in_rank), dl(rank_prefix), dl(channel_prefix), dl(recv_x),
+                       dl(recv_scales), dl(recv_src_idx), dl(recv_topk_idx), dl(recv_topk_weights), 0, dl(send_head))
         handle = self._remember((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head))
         if num_worst_tokens > 0:
             per_expert_list = []
-        elif streams is None:
-            per_expert_list = recv_per_expert.tolist()
-        else:
+        elif device.type == "cuda":
             # The host's copy from notify: reading the tensor would wait for the streams.
             per_expert_list = [int(v) for v in _core.call("BufferRecvPerExpert", self.runtime.id).split()]
+        else:
+            per_expert_list = recv_per_expert.tolist()
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
         event = self._finish(async_finish, (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
                                             recv_per_expert, recv_x, recv_scales, recv_topk_idx, recv_topk_weights) + handle,

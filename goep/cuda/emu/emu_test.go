@@ -525,6 +525,15 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 	for r := range rd {
 		require.Equal(t, ref[r].recvX, cached[r].b, "rank %d cached recv_x", r)
 	}
+	if worst == 0 {
+		runQueued(t, envs, c, topo, peers, func(r int) (queuedIn, queuedOut) {
+			d, o := rd[r], ref[r]
+			return queuedIn{T: d.T, x: d.dX, sc: d.dSc, topk: d.dTopk, w: d.dW, perRank: d.perRank, perExpert: d.perExpert,
+					inRank: d.inRank},
+				queuedOut{n: o.n, recvX: o.recvX, recvSc: o.recvSc, recvSrc: o.recvSrc, recvTopk: o.recvTopk, recvW: o.recvW,
+					sendHead: o.sendHead}
+		})
+	}
 
 	// Combine.
 	outs := make([]dev, R)
@@ -631,6 +640,24 @@ func TestEmulatedErrors(t *testing.T) {
 	// The buffer still works.
 	runCase(t, envs, c)
 
+	// A bad index given to the layout (which does not wait for the GPU) fails the next notify,
+	// here one without topk_idx, on every rank; a later layout's record replaces it.
+	ops = notifyOps(t, envs, c)
+	lbad := envs[0].upload(t, dlpack.I64, bytesOf([]int64{0, 1, 2, 3, 4, 5, 6, -1, -1, 99, 0, 1}), 3, 4)
+	require.NoError(t, envs[0].be.Layout(&goep.LayoutOp{NumExperts: c.E, NumRanks: c.R, TopkIdx: lbad.t,
+		PerRank: envs[0].alloc(t, dlpack.I32, int64(c.R)).t, PerExpert: envs[0].alloc(t, dlpack.I32, int64(c.E)).t,
+		InRank: envs[0].alloc(t, dlpack.BoolT, 3, int64(c.R)).t}))
+	for _, op := range ops {
+		op.TopkIdx = dlpack.Tensor{}
+	}
+	errs = notifyAll(envs, ops)
+	require.Error(t, errs[0])
+	assert.True(t, goep.IsArgument(errs[0]))
+	assert.Contains(t, errs[0].Error(), "in its last get_dispatch_layout, topk_idx[2,1] = 99 is out of range [0, 8)")
+	require.Error(t, errs[1])
+	assert.Contains(t, errs[1].Error(), "rank 0 has invalid arguments")
+	runCase(t, envs, c)
+
 	// num_worst_tokens too small: the same error everywhere.
 	ops = notifyOps(t, envs, c)
 	for _, op := range ops {
@@ -699,4 +726,109 @@ func TestEmulatedGPUBlocks(t *testing.T) {
 	c := rcase{name: "hidden_2880_R4_768", R: 4, T: 48, E: 16, K: 8, hidden: 2880, dtype: bf16, cfg: cfg(sms, 6, 256), align: 1, bias: 2}
 	envs := newDomainWith(t, c.R, 96<<20, emu.OptionsGPU())
 	runCase(t, envs, c)
+}
+
+type queuedIn struct {
+	T                                          int
+	x, sc, topk, w, perRank, perExpert, inRank dev
+}
+
+type queuedOut struct {
+	n             int
+	recvX, recvSc []byte
+	recvSrc       []int32
+	recvTopk      []int64
+	recvW         []float32
+	sendHead      []int32
+}
+
+// runQueued checks NotifyDispatch against the reference: once with room for every rank's rows
+// (the dispatch runs), once with one row each (it runs only if no rank receives more; otherwise
+// nothing moves, and a Dispatch into exact rows follows, as after Notify).
+func runQueued(t *testing.T, envs []*rankEnv, c rcase, topo []goep.Topology, peers [][]goep.Region, of func(r int) (queuedIn, queuedOut)) {
+	R, K, E, C := c.R, c.K, c.E, c.cfg.NumChannels()
+	rowBytes := c.hidden * c.dtype.Size()
+	for _, spare := range []int{3, -1} {
+		capOf := func(r int) int {
+			if spare < 0 {
+				return 1
+			}
+			_, want := of(r)
+			return want.n + spare
+		}
+		fit := true
+		for r := range envs {
+			_, want := of(r)
+			fit = fit && want.n <= capOf(r)
+		}
+		type outs struct{ recvX, recvSc, recvSrc, recvTopk, recvW, sendH, rp, cp, rcp, rpe dev }
+		alloc := func(e *rankEnv, rows int64, T int) outs {
+			var o outs
+			o.recvX = e.alloc(t, c.dtype, rows, int64(c.hidden))
+			if c.scales > 0 {
+				o.recvSc = e.alloc(t, dlpack.F32, rows, int64(c.scales))
+			}
+			o.recvSrc = e.alloc(t, dlpack.I32, rows)
+			o.recvTopk = e.alloc(t, dlpack.I64, rows, int64(K))
+			o.recvW = e.alloc(t, dlpack.F32, rows, int64(K))
+			o.sendH = e.alloc(t, dlpack.I32, int64(T), int64(R))
+			o.rp = e.alloc(t, dlpack.I32, int64(R), int64(R))
+			o.cp = e.alloc(t, dlpack.I32, int64(R), int64(C))
+			o.rcp = e.alloc(t, dlpack.I32, int64(R), int64(C))
+			o.rpe = e.alloc(t, dlpack.I32, int64(E/R))
+			return o
+		}
+		op := func(in queuedIn, o outs) *goep.DispatchOp {
+			return &goep.DispatchOp{Config: c.cfg, NumTokens: in.T, HiddenBytes: rowBytes, ScalesBytes: c.scales * 4, NumTopk: K,
+				NumExperts: E, X: in.x.t, XScales: in.sc.t, TopkIdx: in.topk.t, TopkWeights: in.w.t, InRank: in.inRank.t,
+				RankPrefix: o.rp.t, ChannelPrefix: o.cp.t, RecvX: o.recvX.t, RecvXScales: o.recvSc.t, RecvSrcIdx: o.recvSrc.t,
+				RecvTopkIdx: o.recvTopk.t, RecvTopkWeights: o.recvW.t, SendHead: o.sendH.t}
+		}
+		got := make([]outs, R)
+		ns, ran := make([]int, R), make([]bool, R)
+		for r, e := range envs {
+			in, _ := of(r)
+			got[r] = alloc(e, int64(capOf(r)), in.T)
+		}
+		noErrors(t, each(R, func(r int) error {
+			in, _ := of(r)
+			o := got[r]
+			var err error
+			ns[r], ran[r], err = envs[r].be.NotifyDispatch(topo[r], peers[r], &goep.NotifyOp{Config: c.cfg, NumTokens: in.T,
+				NumExperts: E, ExpertAlignment: c.align, PerRank: in.perRank.t, PerExpert: in.perExpert.t, InRank: in.inRank.t,
+				RankPrefix: o.rp.t, ChannelPrefix: o.cp.t, RecvChannelPrefix: o.rcp.t, RecvPerExpert: o.rpe.t,
+				TopkIdx: in.topk.t, Capacity: capOf(r)}, op(in, o))
+			return err
+		}))
+		for r := range envs {
+			_, want := of(r)
+			require.Equal(t, want.n, ns[r], "rank %d num_recv (spare %d)", r, spare)
+			require.Equal(t, fit, ran[r], "rank %d: the dispatch ran (spare %d)", r, spare)
+		}
+		if !fit {
+			exact := make([]outs, R)
+			for r, e := range envs {
+				in, _ := of(r)
+				exact[r] = alloc(e, int64(ns[r]), in.T)
+				exact[r].rp, exact[r].cp = got[r].rp, got[r].cp
+			}
+			noErrors(t, each(R, func(r int) error {
+				in, _ := of(r)
+				return envs[r].be.Dispatch(topo[r], peers[r], op(in, exact[r]))
+			}))
+			got = exact
+		}
+		for r := range envs {
+			_, want := of(r)
+			n, o := want.n, got[r]
+			require.Equal(t, want.recvX, o.recvX.b[:n*rowBytes], "rank %d queued recv_x (spare %d)", r, spare)
+			if c.scales > 0 {
+				require.Equal(t, want.recvSc, o.recvSc.b[:n*c.scales*4], "rank %d queued recv_x_scales", r)
+			}
+			require.Equal(t, want.recvSrc, i32s(o.recvSrc.b)[:n], "rank %d queued recv_src_idx", r)
+			require.Equal(t, want.recvTopk, i64s(o.recvTopk.b)[:n*K], "rank %d queued recv_topk_idx", r)
+			require.Equal(t, want.recvW, f32s(o.recvW.b)[:n*K], "rank %d queued recv_topk_weights", r)
+			require.Equal(t, want.sendHead, i32s(o.sendH.b), "rank %d queued send_head", r)
+		}
+	}
 }
