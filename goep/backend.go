@@ -41,6 +41,14 @@ type Backend interface {
 	AllocateRDMA(size int64) (RDMARegion, error)
 }
 
+// FabricAllocator is an optional Backend method: goep.Buffer allocates its NVLink-domain region
+// with AllocateFabric instead of Allocate when Params.UseFabric is set (DeepEP's use_fabric).
+// The cuda backend then shares the memory through cuMem handles (fabric, or POSIX file
+// descriptors) instead of CUDA IPC. Backends without it (cpu) ignore use_fabric.
+type FabricAllocator interface {
+	AllocateFabric(size int64, numPeers int) (LocalRegion, error)
+}
+
 // RDMARegion is the RDMA buffer.
 type RDMARegion interface {
 	Data() unsafe.Pointer

@@ -16,7 +16,9 @@ type Params struct {
 	NumNVLBytes, NumRDMABytes       int64
 	LowLatencyMode                  bool
 	ExplicitlyDestroy, EnableShrink bool
-	UseFabric                       bool
+	// UseFabric allocates the NVLink-domain region through the backend's FabricAllocator, if
+	// it has one (cuda: cuMem handles instead of CUDA IPC); the cpu backend ignores it.
+	UseFabric bool
 }
 
 type state int
@@ -67,7 +69,11 @@ func NewBuffer(p Params, backend Backend) (*Buffer, error) {
 	}
 	b := &Buffer{params: p, topo: topo, backend: backend, peers: make([]Region, topo.NumNVLRanks)}
 	if p.NumNVLBytes > 0 {
-		if b.local, err = backend.Allocate(p.NumNVLBytes, topo.NumNVLRanks-1); err != nil {
+		allocate := backend.Allocate
+		if fa, ok := backend.(FabricAllocator); ok && p.UseFabric {
+			allocate = fa.AllocateFabric
+		}
+		if b.local, err = allocate(p.NumNVLBytes, topo.NumNVLRanks-1); err != nil {
 			return nil, fmt.Errorf("rank %d: allocate %d NVLink-buffer bytes on %s: %w", p.Rank, p.NumNVLBytes, backend.Name(), err)
 		}
 		b.peers[topo.NVLRank] = b.local

@@ -1,5 +1,6 @@
 """Buffer lifecycle on the cuda backend: each rank on GPU local_rank, over an NCCL group; peers see each
-other's device memory through CUDA IPC over NVLink.
+other's device memory through CUDA IPC over NVLink (or, with use_fabric=True, through cuMem fabric handles or POSIX
+file descriptors).
 
 conftest's session group is gloo (the cpu backend); this module makes its own NCCL group from it, and
 synchronises ranks over the gloo group after a torch.cuda.synchronize()."""
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import pyep
+from test_normal import Case, expected_combine, expected_receive, expert_output, inputs, on
 
 NVL_BYTES = 1 << 20
 MiB = 1 << 20
@@ -157,6 +159,31 @@ def test_destroy_lifecycle_returns_device_memory(nccl, group, device):
         implicit.destroy()
     assert implicit.is_available()
     sync_all(group)
+
+
+@pytest.mark.parametrize("mem_handle", ["auto", "fd"])
+def test_use_fabric_dispatch_combine(nccl, group, rank, num_ranks, device, monkeypatch, mem_handle):
+    """use_fabric=True: the buffer is cuMem memory shared through a fabric handle, or through a POSIX file descriptor
+    (forced by PYEP_MEM_HANDLE=fd, which is read when the buffer is made); a dispatch and combine round trip over it
+    gives the reference results."""
+    monkeypatch.setenv("PYEP_MEM_HANDLE", mem_handle)
+    case = Case(f"use_fabric_{mem_handle}", tokens=128, hidden=1024)
+    config = pyep.Buffer.get_dispatch_config(num_ranks)
+    buffer = make(nccl, group, config.get_nvl_buffer_size_hint(case.hidden * 2, num_ranks), use_fabric=True)
+    assert buffer.runtime.backend == "cuda" and buffer.is_available()
+    x, topk, w = on(device, inputs(case, rank, num_ranks))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, case.experts_per_rank * num_ranks)
+    recv, recv_topk, recv_w, counts, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk,
+        topk_weights=w, config=config)
+    ref_x, _, ref_topk, ref_w, _, ref_counts = expected_receive(case, rank, num_ranks)
+    assert torch.equal(recv.cpu().view(torch.uint8), ref_x.view(torch.uint8)), "dispatch moves rows bit for bit"
+    assert torch.equal(recv_topk.cpu(), ref_topk) and torch.equal(recv_w.cpu(), ref_w)
+    assert counts == ref_counts
+    combined, combined_w, _ = buffer.combine(expert_output(recv, rank), handle, topk_weights=recv_w, config=config)
+    ref_combined, ref_weights = expected_combine(case, rank, num_ranks, ())
+    assert torch.equal(combined.cpu(), ref_combined) and torch.equal(combined_w.cpu(), ref_weights)
+    destroy(group, buffer)
 
 
 def test_two_buffers_in_one_process(nccl, group, rank, num_ranks, device):

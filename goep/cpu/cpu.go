@@ -24,7 +24,8 @@ type header struct {
 	expected int32        // 1 + the number of peers that will map it
 }
 
-// Backend is the cpu backend; its zero value is ready.
+// Backend is the cpu backend; its zero value is ready. It has no goep.FabricAllocator:
+// use_fabric changes nothing on host memory, which is always shared through /dev/shm.
 type Backend struct{}
 
 var _ goep.Backend = Backend{}

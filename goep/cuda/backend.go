@@ -18,7 +18,9 @@ import (
 )
 
 // Backend is goep's cuda backend for one GPU: the NVLink-domain buffers are device memory
-// shared between the ranks' processes through CUDA IPC, the RDMA buffer is device memory.
+// shared between the ranks' processes through CUDA IPC (Allocate), or through cuMem handles,
+// fabric or POSIX file descriptors (AllocateFabric, for use_fabric); the RDMA buffer is device
+// memory.
 //
 // It works in the device's primary context (PyTorch's), retained for the Backend's life and
 // made current on the calling OS thread at every entry (see Enter). Region addresses
@@ -37,10 +39,11 @@ import (
 // memory that a peer still maps, or that a kernel still uses, is unsafe, so:
 //   - Closing a peer's region waits for this GPU's work (cuCtxSynchronize, bounded by
 //     Timeout), writes "released" into this rank's slot of the peer's header, then unmaps it
-//     (cuIpcCloseMemHandle). If the GPU's work does not finish in time, the mapping is kept
-//     and Close returns an error.
-//   - Closing this rank's own region waits (bounded by Timeout) for its GPU's work and for
-//     every peer slot to leave "mapped", then frees (cuMemFree). On timeout the free is
+//     (cuIpcCloseMemHandle; or cuMemUnmap, cuMemAddressFree and cuMemRelease). If the GPU's
+//     work does not finish in time, the mapping is kept and Close returns an error.
+//   - Closing this rank's own region stops serving its file descriptor (if shared so), waits
+//     (bounded by Timeout) for its GPU's work and for every peer slot to leave "mapped", then
+//     frees (cuMemFree; or cuMemUnmap, cuMemAddressFree and cuMemRelease). On timeout the free is
 //     deferred, not skipped and not forced: the error names the ranks that still map the
 //     buffer, and the next Allocate, region Close or Backend.Close on this Backend frees it
 //     once they have released it; a peer that exited without releasing leaves it allocated
@@ -89,6 +92,9 @@ type Backend struct {
 
 	normalOnce sync.Once
 	normal     *normalEngine // normal mode (normal.go), made on first use
+
+	fabricMu  sync.Mutex
+	fabricErr error // why fabric handles failed here: AllocateFabric goes straight to file descriptors
 }
 
 var _ goep.Backend = (*Backend)(nil)
@@ -293,6 +299,11 @@ func allocationBytes(size int64) int64 { return HeaderBytes + goep.ControlBytes 
 // localRegion is this rank's own allocation.
 type localRegion struct {
 	region
+	kind   memKind
+	mapped int  // bytes of the allocation, header included
+	mem    vmem // kindFD, kindFabric: the cuMem allocation and its mapping here
+	fd     int  // kindFD: the exported descriptor, served by srv; -1 when none
+	srv    *fdServer
 	tok    []byte
 	nonce  uint64
 	closed bool // guarded by b.mu
@@ -308,6 +319,25 @@ func (l *localRegion) Token() []byte { return bytes.Clone(l.tok) }
 // Allocate implements goep.Backend: zeroed device memory for the header, control and data
 // regions, exported through cuIpcGetMemHandle.
 func (b *Backend) Allocate(size int64, numPeers int) (goep.LocalRegion, error) {
+	return b.allocate(size, numPeers, b.allocateIPC)
+}
+
+// AllocateFabric implements goep.FabricAllocator (use_fabric): the region is cuMemCreate
+// memory, shared through a fabric handle where the device supports them and the host lets
+// this process export one (an IMEX channel), else through a POSIX file descriptor, with one
+// line on stderr saying why (once per process). PYEP_MEM_HANDLE=auto|fabric|fd, read at each
+// call, forces the kind.
+func (b *Backend) AllocateFabric(size int64, numPeers int) (goep.LocalRegion, error) {
+	mode, err := memHandleMode()
+	if err != nil {
+		return nil, err
+	}
+	return b.allocate(size, numPeers, func(size int64) (*localRegion, error) { return b.allocateShared(size, mode) })
+}
+
+// allocate checks the arguments, makes the region with alloc in the backend's context and
+// registers it.
+func (b *Backend) allocate(size int64, numPeers int, alloc func(size int64) (*localRegion, error)) (goep.LocalRegion, error) {
 	if size < 0 || size != int64(int(size)) {
 		return nil, fmt.Errorf("pyep: cuda: allocating %d data bytes: out of range", size)
 	}
@@ -323,14 +353,8 @@ func (b *Backend) Allocate(size int64, numPeers int) (goep.LocalRegion, error) {
 	if err != nil {
 		return nil, err
 	}
-	total := int(allocationBytes(size))
-	p, err := b.drv.MemAlloc(total)
+	l, err := alloc(size)
 	if err != nil {
-		return nil, err
-	}
-	l := &localRegion{region: region{b, p, size}, self: -1}
-	if err := b.initRegion(l, total); err != nil {
-		_ = b.drv.MemFree(p)
 		return nil, err
 	}
 	b.mu.Lock()
@@ -339,8 +363,26 @@ func (b *Backend) Allocate(size int64, numPeers int) (goep.LocalRegion, error) {
 	return l, nil
 }
 
-// initRegion zeroes the allocation, writes its header and makes its token.
-func (b *Backend) initRegion(l *localRegion, total int) error {
+func (b *Backend) allocateIPC(size int64) (*localRegion, error) {
+	total := int(allocationBytes(size))
+	p, err := b.drv.MemAlloc(total)
+	if err != nil {
+		return nil, err
+	}
+	l := &localRegion{region: region{b, p, size}, kind: kindIPC, mapped: total, fd: -1, self: -1}
+	if err = b.initRegion(l); err == nil {
+		t := b.tokenOf(l)
+		if t.IPC, err = b.drv.IpcGetMemHandle(p); err == nil {
+			l.tok = t.encode()
+			return l, nil
+		}
+	}
+	_ = b.drv.MemFree(p)
+	return nil, err
+}
+
+// initRegion zeroes the allocation and writes its header with a fresh nonce.
+func (b *Backend) initRegion(l *localRegion) error {
 	var nonce [8]byte
 	if _, err := rand.Read(nonce[:]); err != nil {
 		return err
@@ -350,20 +392,17 @@ func (b *Backend) initRegion(l *localRegion, total int) error {
 	copy(hdr[:8], headerMagic)
 	copy(hdr[8:], nonce[:])
 	b.ctrlMu.Lock()
-	err := b.drv.MemsetD8Async(l.base, 0, total, b.ctrl)
+	err := b.drv.MemsetD8Async(l.base, 0, l.mapped, b.ctrl)
 	if err == nil {
 		err = b.copyInLocked(l.base, hdr[:])
 	}
 	b.ctrlMu.Unlock()
-	if err != nil {
-		return err
-	}
-	ipc, err := b.drv.IpcGetMemHandle(l.base)
-	if err != nil {
-		return err
-	}
-	l.tok = token{Nonce: l.nonce, Size: l.size, IPC: ipc, BusID: b.busID, Host: b.host, Process: b.process}.encode()
-	return nil
+	return err
+}
+
+// tokenOf is l's token without its handle.
+func (b *Backend) tokenOf(l *localRegion) token {
+	return token{Kind: l.kind, Nonce: l.nonce, Size: l.size, Mapped: int64(l.mapped), BusID: b.busID, Host: b.host, Process: b.process}
 }
 
 // Close implements goep.Region for this rank's own region: see Backend for the handshake.
@@ -381,6 +420,8 @@ func (l *localRegion) Close() error {
 		delete(b.checked, t)
 	}
 	b.mu.Unlock()
+	// No peer opens a closed buffer: its descriptor is served no longer.
+	unshareErr := l.unshare()
 	if err := b.syncDevice(b.timeout); err != nil {
 		b.defer_(l)
 		return fmt.Errorf("pyep: cuda: freeing this rank's buffer: %w; its memory is kept", err)
@@ -397,7 +438,7 @@ func (l *localRegion) Close() error {
 		return err
 	}
 	err = b.free(l)
-	return errors.Join(err, b.sweep(false))
+	return errors.Join(unshareErr, err, b.sweep(false))
 }
 
 func mappedBy(l *localRegion, slots []int) string {
@@ -417,7 +458,24 @@ func (b *Backend) free(l *localRegion) error {
 	if err != nil {
 		return err
 	}
-	return b.drv.MemFree(l.base)
+	if l.kind == kindIPC {
+		return b.drv.MemFree(l.base)
+	}
+	return b.releaseVMM(&l.mem)
+}
+
+// unshare stops serving l's file descriptor and closes it; idempotent.
+func (l *localRegion) unshare() error {
+	var errs []error
+	if l.srv != nil {
+		errs = append(errs, l.srv.Close())
+		l.srv = nil
+	}
+	if l.fd >= 0 {
+		errs = append(errs, closeFD(l.fd))
+		l.fd = -1
+	}
+	return errors.Join(errs...)
 }
 
 func (b *Backend) defer_(l *localRegion) {
@@ -545,7 +603,7 @@ func (b *Backend) CheckPeers(nvlRank int, ranks []int, tokens [][]byte) error {
 			return fmt.Errorf("rank %d's buffer: %w", ranks[i], err)
 		}
 		if t.Host != b.host {
-			return fmt.Errorf("rank %d's buffer is on another host than rank %d's: CUDA IPC shares memory within one host only", ranks[i], ranks[nvlRank])
+			return fmt.Errorf("rank %d's buffer is on another host than rank %d's: %s", ranks[i], ranks[nvlRank], oneHost(t.Kind))
 		}
 		gpus[i] = peerGPU{fmt.Sprintf("rank %d", ranks[i]), t.BusID}
 	}
@@ -568,16 +626,27 @@ func (b *Backend) CheckPeers(nvlRank int, ranks []int, tokens [][]byte) error {
 	return nil
 }
 
-// peerRegion is a peer's allocation mapped through CUDA IPC.
+// oneHost says why a peer's buffer on another host is refused.
+func oneHost(k memKind) string {
+	if k == kindIPC {
+		return "CUDA IPC shares memory within one host only"
+	}
+	return "pyep's cuda backend shares NVLink buffers within one host only (multi-node NVLink is not implemented)"
+}
+
+// peerRegion is a peer's allocation mapped here.
 type peerRegion struct {
 	region
+	kind   memKind
+	mem    vmem // kindFD, kindFabric: the imported handle and its mapping
 	slot   int  // this rank's slot in the peer's header; -1: no handshake
 	closed bool // guarded by b.mu
 }
 
 // Open implements goep.Backend: it maps a peer's region (cuIpcOpenMemHandle, peer access
-// enabled lazily), checks its header against the token, and marks the mapping in the peer's
-// header. Without a CheckPeers for this token, it checks the NVLink pair itself.
+// enabled lazily; or the imported cuMem handle, made accessible to this GPU), checks its
+// header against the token, and marks the mapping in the peer's header. Without a CheckPeers
+// for this token, it checks the NVLink pair itself.
 func (b *Backend) Open(raw []byte, size int64) (goep.Region, error) {
 	t, err := decodeToken(raw)
 	switch {
@@ -586,7 +655,7 @@ func (b *Backend) Open(raw []byte, size int64) (goep.Region, error) {
 	case t.Size != size:
 		return nil, fmt.Errorf("the peer's buffer has %d bytes: expected %d", t.Size, size)
 	case t.Host != b.host:
-		return nil, errors.New("the peer's buffer is on another host: CUDA IPC shares memory within one host only")
+		return nil, errors.New("the peer's buffer is on another host: " + oneHost(t.Kind))
 	case t.Process == b.process:
 		return nil, errors.New("the buffer was made by this process: CUDA IPC maps other processes' memory only (one rank per process)")
 	}
@@ -608,15 +677,32 @@ func (b *Backend) Open(raw []byte, size int64) (goep.Region, error) {
 			return nil, err
 		}
 	}
+	fd := -1
+	if t.Kind == kindFD {
+		// Before Enter: this waits for the owner (bounded by Timeout) on an unlocked thread.
+		if fd, err = receiveFD(t.Socket, t.Nonce, t.Process, b.timeout); err != nil {
+			return nil, err
+		}
+	}
 	exit, err := b.Enter()
 	defer exit()
 	if err != nil {
+		if fd >= 0 {
+			_ = closeFD(fd)
+		}
 		return nil, err
 	}
-	p, err := b.drv.IpcOpenMemHandle(t.IPC)
+	r := &peerRegion{region: region{b: b, size: size}, kind: t.Kind, slot: slot}
+	if t.Kind == kindIPC {
+		r.base, err = b.drv.IpcOpenMemHandle(t.IPC)
+	} else {
+		err = b.importVMM(&r.mem, t, fd)
+		r.base = r.mem.base
+	}
 	if err != nil {
 		return nil, err
 	}
+	p := r.base
 	var hdr [16]byte
 	err = b.copyOut(hdr[:], p)
 	if err == nil && (string(hdr[:8]) != headerMagic || binary.LittleEndian.Uint64(hdr[8:]) != t.Nonce) {
@@ -626,10 +712,18 @@ func (b *Backend) Open(raw []byte, size int64) (goep.Region, error) {
 		err = b.copyIn(p.Add(slotsOffset+4*slot), le32(slotMapped))
 	}
 	if err != nil {
-		_ = b.drv.IpcCloseMemHandle(p)
+		_ = r.unmap()
 		return nil, err
 	}
-	return &peerRegion{region: region{b, p, size}, slot: slot}, nil
+	return r, nil
+}
+
+// unmap undoes Open's mapping; the context must be current.
+func (r *peerRegion) unmap() error {
+	if r.kind == kindIPC {
+		return r.b.drv.IpcCloseMemHandle(r.base)
+	}
+	return r.b.releaseVMM(&r.mem)
 }
 
 // Close implements goep.Region: see Backend for the handshake.
@@ -654,7 +748,7 @@ func (r *peerRegion) Close() error {
 	if r.slot >= 0 {
 		errs = append(errs, b.copyIn(r.base.Add(slotsOffset+4*r.slot), le32(slotReleased)))
 	}
-	errs = append(errs, b.drv.IpcCloseMemHandle(r.base))
+	errs = append(errs, r.unmap())
 	return errors.Join(errs...)
 }
 

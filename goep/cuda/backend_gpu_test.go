@@ -120,19 +120,44 @@ func TestGPUNVLinkProbe(t *testing.T) {
 
 // TestGPUBackendTwoProcesses: this process is rank 0 on device 0, a child (this test binary
 // again, TestGPUBackendChild) rank 1 on device 1. They exchange tokens, check the topology,
-// open each other's buffers, write through them, and destroy with the release handshake.
+// open each other's buffers, write through them, and destroy with the release handshake:
+// with CUDA IPC (Allocate), and with use_fabric (AllocateFabric) through POSIX file
+// descriptors and through fabric handles (skipped where the host has none).
 func TestGPUBackendTwoProcesses(t *testing.T) {
+	for _, mode := range []string{"ipc", "fd", "fabric"} {
+		t.Run(mode, func(t *testing.T) { twoProcesses(t, mode) })
+	}
+}
+
+// allocateIn allocates as mode says: "ipc" through Allocate, else through AllocateFabric
+// with PYEP_MEM_HANDLE=mode (set by the caller).
+func allocateIn(be *cuda.Backend, mode string, size int64) (goep.LocalRegion, error) {
+	if mode == "ipc" {
+		return be.Allocate(size, 1)
+	}
+	return be.AllocateFabric(size, 1)
+}
+
+func twoProcesses(t *testing.T, mode string) {
 	drv := realDriver(t, 2)
+	if mode != "ipc" {
+		t.Setenv(cuda.MemHandleEnv, mode)
+	}
 	be, err := cuda.NewBackend(drv, 0, cuda.BackendOptions{Timeout: 30 * time.Second})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, be.Close()) }()
 	const size = 1 << 20
-	l, err := be.Allocate(size, 1)
+	l, err := allocateIn(be, mode, size)
+	if mode == "fabric" && err != nil {
+		assert.Contains(t, err.Error(), "IMEX channel", "the error says what fabric handles need")
+		t.Skipf("no fabric handles on this host: %v", err)
+	}
 	require.NoError(t, err)
+	assert.Equal(t, mode, cuda.TokenKind(l.Token()))
 	fill(t, be, cuda.PtrOf(l.Data()), 0xa5, size/2)
 
 	cmd := exec.Command(os.Args[0], "-test.run=^TestGPUBackendChild$", "-test.v", "-test.count=1")
-	cmd.Env = append(os.Environ(), "PYEP_TEST_BACKEND_TOKEN="+hex.EncodeToString(l.Token()))
+	cmd.Env = append(os.Environ(), "PYEP_TEST_BACKEND_TOKEN="+hex.EncodeToString(l.Token()), "PYEP_TEST_BACKEND_MODE="+mode)
 	stdout, err := cmd.StdoutPipe()
 	require.NoError(t, err)
 	var stderr bytes.Buffer
@@ -152,6 +177,7 @@ func TestGPUBackendTwoProcesses(t *testing.T) {
 	}
 	tok1, err := hex.DecodeString(next("TOKEN "))
 	require.NoError(t, err)
+	assert.Equal(t, mode, cuda.TokenKind(tok1))
 	tokens := [][]byte{l.Token(), tok1}
 	require.NoError(t, be.CheckPeers(0, []int{0, 1}, tokens))
 	r1, err := be.Open(tok1, size)
@@ -176,6 +202,7 @@ func TestGPUBackendChild(t *testing.T) {
 	if hs == "" {
 		t.Skip("run by TestGPUBackendTwoProcesses in a child process")
 	}
+	mode := os.Getenv("PYEP_TEST_BACKEND_MODE")
 	tok0, err := hex.DecodeString(hs)
 	require.NoError(t, err)
 	drv := realDriver(t, 2)
@@ -183,7 +210,7 @@ func TestGPUBackendChild(t *testing.T) {
 	require.NoError(t, err)
 	defer func() { require.NoError(t, be.Close()) }()
 	const size = 1 << 20
-	l, err := be.Allocate(size, 1)
+	l, err := allocateIn(be, mode, size)
 	require.NoError(t, err)
 	fill(t, be, cuda.PtrOf(l.Data()), 0x3c, 64)
 	fmt.Printf("TOKEN %s\n", hex.EncodeToString(l.Token()))
@@ -197,4 +224,56 @@ func TestGPUBackendChild(t *testing.T) {
 	require.NoError(t, r0.Close())
 	require.NoError(t, l.Close(), "the parent released this buffer")
 	assert.Zero(t, be.Deferred())
+}
+
+// TestGPUAllocateFabric: use_fabric memory on one GPU, of every kind the host offers: zeroed
+// device memory, freed again by Close.
+func TestGPUAllocateFabric(t *testing.T) {
+	drv := realDriver(t, 1)
+	be, err := cuda.NewBackend(drv, 0, cuda.BackendOptions{Timeout: 20 * time.Second})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, be.Close()) }()
+	for _, attr := range []cuda.DeviceAttribute{cuda.AttrVirtualMemoryManagement, cuda.AttrHandleTypePosixFD, cuda.AttrHandleTypeFabric} {
+		v, err := be.Device().Attribute(attr)
+		require.NoError(t, err)
+		t.Logf("device attribute %d: %d", attr, v)
+	}
+	for _, mode := range []string{"auto", "fd", "fabric"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Setenv(cuda.MemHandleEnv, mode)
+			const size = 3 << 20 // not a multiple of the granularity, with the header
+			free0, _, err := func() (int, int, error) {
+				exit, err := be.Enter()
+				defer exit()
+				require.NoError(t, err)
+				return drv.MemGetInfo()
+			}()
+			require.NoError(t, err)
+			l, err := be.AllocateFabric(size, 1)
+			if mode == "fabric" && err != nil {
+				assert.Contains(t, err.Error(), "IMEX channel")
+				t.Skipf("no fabric handles on this host: %v", err)
+			}
+			require.NoError(t, err)
+			t.Logf("%s: shared through %s", mode, cuda.TokenKind(l.Token()))
+			if mode != "auto" {
+				assert.Equal(t, mode, cuda.TokenKind(l.Token()))
+			}
+			ctrl := cuda.PtrOf(l.Control())
+			assert.Equal(t, make([]byte, goep.ControlBytes+size), readBack(t, be, ctrl, goep.ControlBytes+size), "zeroed")
+			kind, err := drv.PointerGetAttribute(cuda.PointerAttrMemoryType, cuda.PtrOf(l.Data()))
+			require.NoError(t, err)
+			assert.EqualValues(t, cuda.MemoryTypeDevice, kind)
+			fill(t, be, cuda.PtrOf(l.Data()).Add(size-1), 1, 1)
+			require.NoError(t, l.Close())
+			free1, _, err := func() (int, int, error) {
+				exit, err := be.Enter()
+				defer exit()
+				require.NoError(t, err)
+				return drv.MemGetInfo()
+			}()
+			require.NoError(t, err)
+			assert.InDelta(t, free0, free1, 64<<20, "Close gives the memory back")
+		})
+	}
 }

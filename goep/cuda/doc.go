@@ -17,9 +17,11 @@
 //	if err := ctx.MakeCurrent(); err != nil { ... }
 //
 // Backend (backend.go) is goep's cuda backend on this layer: NVLink-domain buffers in device
-// memory shared through CUDA IPC, with a header per buffer for the release handshake of
-// Destroy, CheckPeers' NVLink check over NVML (NVLinkProbe), pyep's communication stream and
-// StreamWait, and HostCounters (mapped host memory the CPU waits on with a timeout).
+// memory shared through CUDA IPC, or with use_fabric through cuMem fabric handles or POSIX
+// file descriptors (memshare.go, fdshare_linux.go), with a header per buffer for the release
+// handshake of Destroy, CheckPeers' NVLink check over NVML (NVLinkProbe), pyep's
+// communication stream and StreamWait, and HostCounters (mapped host memory the CPU waits on
+// with a timeout).
 // SharedBackend is the one per GPU and process that the Python binding uses.
 //
 // normal.go makes Backend a goep.NormalEngine: normal mode's kernels (kernels/layout.cu,

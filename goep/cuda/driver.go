@@ -56,6 +56,33 @@ type Driver interface {
 	IpcOpenMemHandle(h IpcMemHandle) (DevicePtr, error)
 	IpcCloseMemHandle(p DevicePtr) error
 
+	// The virtual memory management calls (cuMem*): physical memory (MemCreate, or imported
+	// from another process) is mapped into a reserved address range and made accessible to a
+	// device. Sizes and addresses are multiples of MemGetAllocationGranularity.
+
+	MemGetAllocationGranularity(prop MemAllocationProp, option GranularityOption) (int, error)
+	MemCreate(bytes int, prop MemAllocationProp) (MemHandle, error)
+	// MemRelease drops a handle; the memory lives on while any process maps it.
+	MemRelease(h MemHandle) error
+	// MemAddressReserve reserves an address range; alignment 0 is the granularity.
+	MemAddressReserve(bytes, alignment int) (DevicePtr, error)
+	MemAddressFree(p DevicePtr, bytes int) error
+	// MemMap maps the first bytes of h's memory at p, within a reserved range.
+	MemMap(p DevicePtr, bytes int, h MemHandle) error
+	MemUnmap(p DevicePtr, bytes int) error
+	// MemSetAccess grants dev access to the mapped range [p, p+bytes).
+	MemSetAccess(p DevicePtr, bytes int, dev Device, flags MemAccessFlags) error
+	// MemExportToFD is cuMemExportToShareableHandle for MemHandlePosixFD: a new file
+	// descriptor, which the caller closes.
+	MemExportToFD(h MemHandle) (int, error)
+	// MemExportToFabric is cuMemExportToShareableHandle for MemHandleFabric.
+	MemExportToFabric(h MemHandle) (FabricHandle, error)
+	// MemImportFromFD is cuMemImportFromShareableHandle for MemHandlePosixFD; the caller still
+	// owns fd (and closes it).
+	MemImportFromFD(fd int) (MemHandle, error)
+	// MemImportFromFabric is cuMemImportFromShareableHandle for MemHandleFabric.
+	MemImportFromFabric(fh FabricHandle) (MemHandle, error)
+
 	// ModuleLoadData loads a cubin or PTX image (PTX need not be NUL-terminated).
 	ModuleLoadData(image []byte) (Module, error)
 	ModuleGetFunction(m Module, name string) (Function, error)

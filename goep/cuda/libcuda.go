@@ -17,6 +17,33 @@ typedef unsigned long long CUdeviceptr;
 typedef void* CUhandle;  // CUcontext, CUmodule, CUfunction, CUstream, CUevent
 typedef struct { char reserved[64]; } pyep_ipc_handle;
 
+// The virtual memory management types, laid out as cuda.h's (enums are int-sized).
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct { int type; int id; } pyep_mem_location;  // CUmemLocation
+typedef struct {                                         // CUmemAllocationProp
+	int type;                  // CUmemAllocationType
+	int requestedHandleTypes;  // CUmemAllocationHandleType bits
+	pyep_mem_location location;
+	void* win32HandleMetaData;
+	struct {
+		unsigned char compressionType;
+		unsigned char gpuDirectRDMACapable;
+		unsigned short usage;
+		unsigned char reserved[4];
+	} allocFlags;
+} pyep_mem_prop;
+typedef struct { pyep_mem_location location; int flags; } pyep_mem_access_desc;  // CUmemAccessDesc
+typedef struct { unsigned char data[64]; } pyep_fabric_handle;                    // CUmemFabricHandle
+_Static_assert(sizeof(pyep_mem_prop) == 32, "CUmemAllocationProp is 32 bytes");
+_Static_assert(sizeof(pyep_mem_access_desc) == 12, "CUmemAccessDesc is 12 bytes");
+
+enum {
+	PYEP_MEM_ALLOCATION_TYPE_PINNED = 1,
+	PYEP_MEM_LOCATION_TYPE_DEVICE = 1,
+	PYEP_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
+	PYEP_MEM_HANDLE_TYPE_FABRIC = 8,
+};
+
 #define PYEP_MAX_KERNEL_ARGS 64
 typedef struct { void* p[PYEP_MAX_KERNEL_ARGS]; } pyep_kernel_args;
 
@@ -30,6 +57,9 @@ enum {
 	CU_MEMCPY_HTOD, CU_MEMCPY_DTOH, CU_MEMCPY_ASYNC,
 	CU_MEM_HOST_ALLOC, CU_MEM_HOST_GET_DEVICE_POINTER, CU_MEM_FREE_HOST, CU_POINTER_GET_ATTRIBUTE,
 	CU_IPC_GET_MEM_HANDLE, CU_IPC_OPEN_MEM_HANDLE, CU_IPC_CLOSE_MEM_HANDLE,
+	CU_MEM_GET_ALLOCATION_GRANULARITY, CU_MEM_CREATE, CU_MEM_RELEASE, CU_MEM_ADDRESS_RESERVE,
+	CU_MEM_ADDRESS_FREE, CU_MEM_MAP, CU_MEM_UNMAP, CU_MEM_SET_ACCESS,
+	CU_MEM_EXPORT_TO_SHAREABLE_HANDLE, CU_MEM_IMPORT_FROM_SHAREABLE_HANDLE,
 	CU_MODULE_LOAD_DATA, CU_MODULE_GET_FUNCTION, CU_MODULE_UNLOAD,
 	CU_FUNC_GET_ATTRIBUTE, CU_FUNC_SET_ATTRIBUTE, CU_LAUNCH_KERNEL,
 	CU_STREAM_CREATE, CU_STREAM_DESTROY, CU_STREAM_SYNCHRONIZE, CU_STREAM_QUERY, CU_STREAM_WAIT_EVENT,
@@ -54,6 +84,10 @@ static const char* const pyep_cu_names[CU_COUNT][2] = {
 	{"cuMemHostAlloc", 0}, {"cuMemHostGetDevicePointer_v2", 0}, {"cuMemFreeHost", 0},
 	{"cuPointerGetAttribute", 0},
 	{"cuIpcGetMemHandle", 0}, {"cuIpcOpenMemHandle_v2", 0}, {"cuIpcCloseMemHandle", 0},
+	// The virtual memory management calls: CUDA 10.2 and later, unversioned.
+	{"cuMemGetAllocationGranularity", 0}, {"cuMemCreate", 0}, {"cuMemRelease", 0},
+	{"cuMemAddressReserve", 0}, {"cuMemAddressFree", 0}, {"cuMemMap", 0}, {"cuMemUnmap", 0},
+	{"cuMemSetAccess", 0}, {"cuMemExportToShareableHandle", 0}, {"cuMemImportFromShareableHandle", 0},
 	{"cuModuleLoadData", 0}, {"cuModuleGetFunction", 0}, {"cuModuleUnload", 0},
 	{"cuFuncGetAttribute", 0}, {"cuFuncSetAttribute", 0}, {"cuLaunchKernel", 0},
 	{"cuStreamCreateWithPriority", 0}, {"cuStreamDestroy_v2", 0}, {"cuStreamSynchronize", 0},
@@ -164,6 +198,58 @@ static CUresult pyep_cuIpcGetMemHandle(pyep_ipc_handle* h, CUdeviceptr p) { retu
 static CUresult pyep_cuIpcOpenMemHandle(CUdeviceptr* p, pyep_ipc_handle h) { return PYEP_FN(CU_IPC_OPEN_MEM_HANDLE, (CUdeviceptr*, pyep_ipc_handle, unsigned))(p, h, 1); }
 static CUresult pyep_cuIpcCloseMemHandle(CUdeviceptr p) { return PYEP_FN(CU_IPC_CLOSE_MEM_HANDLE, (CUdeviceptr))(p); }
 
+// Pinned memory on device dev, exportable as handleTypes.
+static pyep_mem_prop pyep_mem_prop_of(int dev, int handleTypes) {
+	pyep_mem_prop p;
+	memset(&p, 0, sizeof p);
+	p.type = PYEP_MEM_ALLOCATION_TYPE_PINNED;
+	p.requestedHandleTypes = handleTypes;
+	p.location.type = PYEP_MEM_LOCATION_TYPE_DEVICE;
+	p.location.id = dev;
+	return p;
+}
+static CUresult pyep_cuMemGetAllocationGranularity(size_t* g, int dev, int handleTypes, int option) {
+	pyep_mem_prop p = pyep_mem_prop_of(dev, handleTypes);
+	return PYEP_FN(CU_MEM_GET_ALLOCATION_GRANULARITY, (size_t*, const pyep_mem_prop*, int))(g, &p, option);
+}
+static CUresult pyep_cuMemCreate(CUmemGenericAllocationHandle* h, size_t n, int dev, int handleTypes) {
+	pyep_mem_prop p = pyep_mem_prop_of(dev, handleTypes);
+	return PYEP_FN(CU_MEM_CREATE, (CUmemGenericAllocationHandle*, size_t, const pyep_mem_prop*, unsigned long long))(h, n, &p, 0);
+}
+static CUresult pyep_cuMemRelease(CUmemGenericAllocationHandle h) { return PYEP_FN(CU_MEM_RELEASE, (CUmemGenericAllocationHandle))(h); }
+static CUresult pyep_cuMemAddressReserve(CUdeviceptr* p, size_t n, size_t align) {
+	return PYEP_FN(CU_MEM_ADDRESS_RESERVE, (CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long))(p, n, align, 0, 0);
+}
+static CUresult pyep_cuMemAddressFree(CUdeviceptr p, size_t n) { return PYEP_FN(CU_MEM_ADDRESS_FREE, (CUdeviceptr, size_t))(p, n); }
+static CUresult pyep_cuMemMap(CUdeviceptr p, size_t n, CUmemGenericAllocationHandle h) {
+	return PYEP_FN(CU_MEM_MAP, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))(p, n, 0, h, 0);
+}
+static CUresult pyep_cuMemUnmap(CUdeviceptr p, size_t n) { return PYEP_FN(CU_MEM_UNMAP, (CUdeviceptr, size_t))(p, n); }
+static CUresult pyep_cuMemSetAccess(CUdeviceptr p, size_t n, int dev, int flags) {
+	pyep_mem_access_desc d;
+	memset(&d, 0, sizeof d);
+	d.location.type = PYEP_MEM_LOCATION_TYPE_DEVICE;
+	d.location.id = dev;
+	d.flags = flags;
+	return PYEP_FN(CU_MEM_SET_ACCESS, (CUdeviceptr, size_t, const pyep_mem_access_desc*, size_t))(p, n, &d, 1);
+}
+#define PYEP_MEM_EXPORT PYEP_FN(CU_MEM_EXPORT_TO_SHAREABLE_HANDLE, (void*, CUmemGenericAllocationHandle, int, unsigned long long))
+#define PYEP_MEM_IMPORT PYEP_FN(CU_MEM_IMPORT_FROM_SHAREABLE_HANDLE, (CUmemGenericAllocationHandle*, void*, int))
+static CUresult pyep_cuMemExportToFD(int* fd, CUmemGenericAllocationHandle h) {
+	*fd = -1;
+	return PYEP_MEM_EXPORT(fd, h, PYEP_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+}
+static CUresult pyep_cuMemExportToFabric(pyep_fabric_handle* fh, CUmemGenericAllocationHandle h) {
+	return PYEP_MEM_EXPORT(fh, h, PYEP_MEM_HANDLE_TYPE_FABRIC, 0);
+}
+// A file descriptor is passed as the pointer's value, a fabric handle by its address.
+static CUresult pyep_cuMemImportFromFD(CUmemGenericAllocationHandle* h, int fd) {
+	return PYEP_MEM_IMPORT(h, (void*)(uintptr_t)fd, PYEP_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+}
+static CUresult pyep_cuMemImportFromFabric(CUmemGenericAllocationHandle* h, pyep_fabric_handle* fh) {
+	return PYEP_MEM_IMPORT(h, fh, PYEP_MEM_HANDLE_TYPE_FABRIC);
+}
+
 static CUresult pyep_cuModuleLoadData(uintptr_t* m, const void* image) {
 	CUhandle h = NULL;
 	CUresult r = PYEP_FN(CU_MODULE_LOAD_DATA, (CUhandle*, const void*))(&h, image);
@@ -259,6 +345,18 @@ func load(name string) error {
 		return fmt.Errorf("pyep: the CUDA driver (%s) loaded, but cuInit failed: %w", name, r)
 	}
 	return nil
+}
+
+// getenv reads the C library's environment, which the host process changes (Python's
+// os.environ calls putenv); os.Getenv of a Go library loaded into Python sees only the
+// environment of the moment the Go runtime started.
+func getenv(name string) string {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	if v := C.getenv(cname); v != nil {
+		return C.GoString(v)
+	}
+	return ""
 }
 
 // driverErrorText asks the loaded driver to name r.
@@ -482,6 +580,101 @@ func (l *libcuda) IpcOpenMemHandle(h IpcMemHandle) (DevicePtr, error) {
 
 func (l *libcuda) IpcCloseMemHandle(p DevicePtr) error {
 	return wrap("cuIpcCloseMemHandle", res(C.pyep_cuIpcCloseMemHandle(C.CUdeviceptr(p))))
+}
+
+func (l *libcuda) MemGetAllocationGranularity(prop MemAllocationProp, option GranularityOption) (int, error) {
+	var g C.size_t
+	err := wrap("cuMemGetAllocationGranularity", res(C.pyep_cuMemGetAllocationGranularity(&g,
+		C.int(prop.Location.dev), C.int(prop.HandleTypes), C.int(option))))
+	return int(g), err
+}
+
+func (l *libcuda) MemCreate(bytes int, prop MemAllocationProp) (MemHandle, error) {
+	if err := sizeOK("cuMemCreate", bytes); err != nil {
+		return 0, err
+	}
+	var h C.CUmemGenericAllocationHandle
+	r := res(C.pyep_cuMemCreate(&h, C.size_t(bytes), C.int(prop.Location.dev), C.int(prop.HandleTypes)))
+	if r != Success {
+		return 0, wrap(fmt.Sprintf("cuMemCreate(%d bytes on device %d, handle types %d)", bytes, prop.Location.dev, prop.HandleTypes), r)
+	}
+	return MemHandle(h), nil
+}
+
+func (l *libcuda) MemRelease(h MemHandle) error {
+	return wrap("cuMemRelease", res(C.pyep_cuMemRelease(C.CUmemGenericAllocationHandle(h))))
+}
+
+func (l *libcuda) MemAddressReserve(bytes, alignment int) (DevicePtr, error) {
+	if err := sizeOK("cuMemAddressReserve", bytes); err != nil {
+		return 0, err
+	}
+	if err := sizeOK("cuMemAddressReserve alignment", alignment); err != nil {
+		return 0, err
+	}
+	var p C.CUdeviceptr
+	if err := wrap(fmt.Sprintf("cuMemAddressReserve(%d bytes)", bytes), res(C.pyep_cuMemAddressReserve(&p, C.size_t(bytes), C.size_t(alignment)))); err != nil {
+		return 0, err
+	}
+	return DevicePtr(p), nil
+}
+
+func (l *libcuda) MemAddressFree(p DevicePtr, bytes int) error {
+	if err := sizeOK("cuMemAddressFree", bytes); err != nil {
+		return err
+	}
+	return wrap("cuMemAddressFree", res(C.pyep_cuMemAddressFree(C.CUdeviceptr(p), C.size_t(bytes))))
+}
+
+func (l *libcuda) MemMap(p DevicePtr, bytes int, h MemHandle) error {
+	if err := sizeOK("cuMemMap", bytes); err != nil {
+		return err
+	}
+	return wrap(fmt.Sprintf("cuMemMap(%d bytes)", bytes), res(C.pyep_cuMemMap(C.CUdeviceptr(p), C.size_t(bytes), C.CUmemGenericAllocationHandle(h))))
+}
+
+func (l *libcuda) MemUnmap(p DevicePtr, bytes int) error {
+	if err := sizeOK("cuMemUnmap", bytes); err != nil {
+		return err
+	}
+	return wrap("cuMemUnmap", res(C.pyep_cuMemUnmap(C.CUdeviceptr(p), C.size_t(bytes))))
+}
+
+func (l *libcuda) MemSetAccess(p DevicePtr, bytes int, dev Device, flags MemAccessFlags) error {
+	if err := sizeOK("cuMemSetAccess", bytes); err != nil {
+		return err
+	}
+	return wrap(fmt.Sprintf("cuMemSetAccess(device %d)", dev.dev), res(C.pyep_cuMemSetAccess(C.CUdeviceptr(p), C.size_t(bytes), C.int(dev.dev), C.int(flags))))
+}
+
+func (l *libcuda) MemExportToFD(h MemHandle) (int, error) {
+	var fd C.int
+	if err := wrap("cuMemExportToShareableHandle(POSIX file descriptor)", res(C.pyep_cuMemExportToFD(&fd, C.CUmemGenericAllocationHandle(h)))); err != nil {
+		return -1, err
+	}
+	return int(fd), nil
+}
+
+func (l *libcuda) MemExportToFabric(h MemHandle) (FabricHandle, error) {
+	var fh FabricHandle
+	err := wrap("cuMemExportToShareableHandle(fabric)", res(C.pyep_cuMemExportToFabric((*C.pyep_fabric_handle)(unsafe.Pointer(&fh)), C.CUmemGenericAllocationHandle(h))))
+	return fh, err
+}
+
+func (l *libcuda) MemImportFromFD(fd int) (MemHandle, error) {
+	var h C.CUmemGenericAllocationHandle
+	if err := wrap("cuMemImportFromShareableHandle(POSIX file descriptor)", res(C.pyep_cuMemImportFromFD(&h, C.int(fd)))); err != nil {
+		return 0, err
+	}
+	return MemHandle(h), nil
+}
+
+func (l *libcuda) MemImportFromFabric(fh FabricHandle) (MemHandle, error) {
+	var h C.CUmemGenericAllocationHandle
+	if err := wrap("cuMemImportFromShareableHandle(fabric)", res(C.pyep_cuMemImportFromFabric(&h, (*C.pyep_fabric_handle)(unsafe.Pointer(&fh))))); err != nil {
+		return 0, err
+	}
+	return MemHandle(h), nil
 }
 
 func (l *libcuda) ModuleLoadData(image []byte) (Module, error) {

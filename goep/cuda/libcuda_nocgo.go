@@ -2,7 +2,10 @@
 
 package cuda
 
-import "errors"
+import (
+	"errors"
+	"os"
+)
 
 // Open fails in a build without cgo, which cannot dlopen the driver; the rest of pyep (the cpu
 // backend, the fake driver) still builds and works.
@@ -11,3 +14,6 @@ func Open() (Driver, error) {
 }
 
 func driverErrorText(Result) (string, string, bool) { return "", "", false }
+
+// getenv is os.Getenv: without cgo, pyep is no library of a C host process.
+func getenv(name string) string { return os.Getenv(name) }

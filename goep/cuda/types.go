@@ -19,6 +19,54 @@ func (p DevicePtr) Add(n int) DevicePtr { return p + DevicePtr(n) }
 // the process group to build their NVLink buffers.
 type IpcMemHandle [64]byte
 
+// MemHandle is a CUmemGenericAllocationHandle: physical memory made by MemCreate or imported
+// from another process, mapped into an address range with MemMap.
+type MemHandle uint64
+
+// MemHandleType is a CUmemAllocationHandleType: how memory made by MemCreate may be shared.
+// The values are bits; pyep requests one kind per allocation.
+type MemHandleType uint32
+
+// The handle types pyep shares memory with.
+const (
+	MemHandleNone MemHandleType = 0
+	// MemHandlePosixFD: a file descriptor, which another process of the host receives over
+	// a Unix-domain socket (SCM_RIGHTS).
+	MemHandlePosixFD MemHandleType = 1
+	// MemHandleFabric: a FabricHandle, plain bytes that any process of the NVLink fabric
+	// imports; it needs an IMEX channel (/dev/nvidia-caps-imex-channels).
+	MemHandleFabric MemHandleType = 8
+)
+
+// FabricHandle is a CUmemFabricHandle, the exported form of fabric-shareable memory.
+type FabricHandle [64]byte
+
+// MemAllocationProp is the part of CUmemAllocationProp that pyep sets: pinned device memory
+// on Location, exportable as HandleTypes.
+type MemAllocationProp struct {
+	Location    Device
+	HandleTypes MemHandleType
+}
+
+// GranularityOption is a CUmemAllocationGranularity_flags.
+type GranularityOption int32
+
+// Granularity options.
+const (
+	GranularityMinimum     GranularityOption = 0
+	GranularityRecommended GranularityOption = 1
+)
+
+// MemAccessFlags are CUmemAccess_flags.
+type MemAccessFlags int32
+
+// Access flags.
+const (
+	MemAccessNone      MemAccessFlags = 0
+	MemAccessRead      MemAccessFlags = 1
+	MemAccessReadWrite MemAccessFlags = 3
+)
+
 // DeviceAttribute is a CUdevice_attribute.
 type DeviceAttribute int32
 
@@ -34,6 +82,13 @@ const (
 	AttrComputeCapabilityMajor       DeviceAttribute = 75
 	AttrComputeCapabilityMinor       DeviceAttribute = 76
 	AttrMaxSharedMemoryPerBlockOptin DeviceAttribute = 97
+	// AttrVirtualMemoryManagement: cuMemCreate, cuMemAddressReserve, cuMemMap and the rest.
+	AttrVirtualMemoryManagement DeviceAttribute = 102
+	// AttrHandleTypePosixFD: MemExportToFD works for memory created with MemHandlePosixFD.
+	AttrHandleTypePosixFD DeviceAttribute = 103
+	// AttrHandleTypeFabric: MemExportToFabric works for memory created with MemHandleFabric
+	// (the driver and the GPU support it; an IMEX channel is still needed to use it).
+	AttrHandleTypeFabric DeviceAttribute = 128
 )
 
 // FuncAttribute is a CUfunction_attribute.

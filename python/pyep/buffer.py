@@ -237,7 +237,10 @@ class Buffer:
             num_qps_per_rank: RDMA queue pairs per rank (NVSHMEM/IBGDA), positive.
             allow_nvlink_for_low_latency_mode: whether low-latency traffic may use NVLink.
             allow_mnnvl: whether multi-node NVLink may be used.
-            use_fabric: whether to share memory through fabric handles (cuda).
+            use_fabric: on cuda, whether the intranode buffer is cuMem memory shared through a fabric handle (where the
+                GPU, the driver and an IMEX channel allow) or else, saying why once on stderr, through a POSIX file
+                descriptor passed over a Unix socket, instead of CUDA IPC; PYEP_MEM_HANDLE=auto|fabric|fd, read when the
+                buffer is made, forces the kind. Either way within one node. The cpu backend ignores it.
             explicitly_destroy: if set, `destroy()` must be called to release resources; otherwise they are released
                 when the buffer is collected (and at interpreter exit).
             enable_shrink: whether to allow shrinking the group after a rank fails (low-latency mode).

@@ -44,16 +44,22 @@ func newDomain(t *testing.T, R int, nvlBytes int64) []*rankEnv {
 }
 
 func newDomainWith(t *testing.T, R int, nvlBytes int64, opts cuda.NormalOptions) []*rankEnv {
+	return newDomainOf(t, R, nvlBytes, opts, false)
+}
+
+// newDomainOf makes R ranks' synced buffers; with useFabric, over fake GPUs with fabric
+// handles, and allocated as use_fabric (PYEP_MEM_HANDLE chooses the handle kind).
+func newDomainOf(t *testing.T, R int, nvlBytes int64, opts cuda.NormalOptions, useFabric bool) []*rankEnv {
 	t.Helper()
 	w := fake.NewWorld()
 	envs := make([]*rankEnv, R)
 	handles := make([][]byte, R)
 	for r := range envs {
-		d := fake.New(fake.Config{World: w, Devices: 8, MemBytes: 1 << 30, Guard: os.Getenv("PYEP_EMU_NOGUARD") == ""})
+		d := fake.New(fake.Config{World: w, Devices: 8, MemBytes: 1 << 30, Guard: os.Getenv("PYEP_EMU_NOGUARD") == "", Fabric: useFabric})
 		be, err := cuda.NewBackend(d, r, cuda.BackendOptions{Timeout: 20 * time.Second, NVLink: allLinks{}, Process: fmt.Sprint("rank", r)})
 		require.NoError(t, err)
 		be.SetNormalOptions(opts)
-		buf, err := goep.NewBuffer(goep.Params{Rank: r, NumRanks: R, NumNVLBytes: nvlBytes}, be)
+		buf, err := goep.NewBuffer(goep.Params{Rank: r, NumRanks: R, NumNVLBytes: nvlBytes, UseFabric: useFabric}, be)
 		require.NoError(t, err)
 		handles[r], err = buf.LocalIPCHandle()
 		require.NoError(t, err)
@@ -581,6 +587,19 @@ func TestEmulatedRoundTrip(t *testing.T) {
 			envs := newDomain(t, c.R, 8<<20)
 			runCase(t, envs, c)
 			// The buffer works again for a second round (counters reset, barriers numbered on).
+			runCase(t, envs, c)
+		})
+	}
+}
+
+// TestEmulatedUseFabric: the kernels over use_fabric buffers, cuMem memory that each rank
+// maps at its own address, shared through file descriptors or fabric handles.
+func TestEmulatedUseFabric(t *testing.T) {
+	c := rcase{name: "bf16_R3", R: 3, T: 50, E: 9, K: 4, hidden: 256, dtype: bf16, cfg: cfg(4, 2, 8), align: 1, bias: 1}
+	for _, mode := range []string{"fd", "fabric"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Setenv(cuda.MemHandleEnv, mode)
+			envs := newDomainOf(t, c.R, 8<<20, emu.Options(), true)
 			runCase(t, envs, c)
 		})
 	}

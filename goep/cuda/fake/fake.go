@@ -9,6 +9,11 @@
 //   - Device memory is Go memory; a DevicePtr is its address, and Bytes returns it as a slice.
 //   - Work runs synchronously when queued, so streams and events are trivially ordered.
 //   - Kernels are Go functions registered on the World by name; a module's image is ignored.
+//   - The virtual memory management calls (vmm.go, Linux only) are real mappings: MemCreate's
+//     memory is a file on tmpfs, MemMap maps it into a range that MemAddressReserve reserved,
+//     and is inaccessible until MemSetAccess, so another process maps it at its own address.
+//     MemExportToFD exports a real file descriptor of that file, which crosses processes as
+//     any descriptor does; a fabric handle names the memory in the World.
 //   - The current context is per Driver, not per OS thread, so forgetting MakeCurrent is
 //     caught only before the first one.
 //
@@ -61,11 +66,14 @@ type World struct {
 	nextID  uint64
 	allocs  map[uint64]*allocation // by id, for IPC
 	kernels map[string]Kernel
+	phys    map[uint64]*physical  // MemCreate's memory by id, for fabric handles
+	files   map[fileKey]*physical // and by backing file, for file descriptors
 }
 
 // NewWorld returns an empty host.
 func NewWorld() *World {
-	return &World{allocs: map[uint64]*allocation{}, kernels: map[string]Kernel{}}
+	return &World{allocs: map[uint64]*allocation{}, kernels: map[string]Kernel{},
+		phys: map[uint64]*physical{}, files: map[fileKey]*physical{}}
 }
 
 // RegisterKernel makes name available to ModuleGetFunction in every Driver of w.
@@ -102,6 +110,13 @@ type Config struct {
 	// address, instead of silently touching the Go heap. Freed mappings keep their address
 	// range (not their memory) until the process exits.
 	Guard bool
+	// NoVMM makes the devices lack virtual memory management (the cuMem* calls); it is always
+	// so off Linux.
+	NoVMM bool
+	// Fabric makes the devices support fabric handles (AttrHandleTypeFabric); NoIMEX then
+	// refuses to create fabric-shareable memory with CUDA_ERROR_NOT_PERMITTED, as a host
+	// without an IMEX channel does.
+	Fabric, NoIMEX bool
 }
 
 // Driver is one fake process.
@@ -115,6 +130,9 @@ type Driver struct {
 	used       map[int]int                    // device memory in use, by device
 	mapped     map[cuda.DevicePtr]*allocation // what this process can address, by base
 	imported   map[cuda.DevicePtr]bool        // bases mapped through IPC
+	memHandles map[cuda.MemHandle]*physical   // MemCreate's and imported handles
+	reserved   map[cuda.DevicePtr]int         // address ranges of MemAddressReserve, by size
+	vmaps      map[cuda.DevicePtr]*vmap       // MemMap's mappings, by base
 	streams    map[uintptr]bool
 	events     map[uintptr]*event
 	modules    map[uintptr]bool
@@ -163,6 +181,7 @@ func New(cfg Config) *Driver {
 		streams: map[uintptr]bool{0: true}, events: map[uintptr]*event{},
 		modules: map[uintptr]bool{}, functions: map[uintptr]*function{},
 		nextHandle: 0x1000, calls: map[string]int{}, failNext: map[string]cuda.Result{},
+		memHandles: map[cuda.MemHandle]*physical{}, reserved: map[cuda.DevicePtr]int{}, vmaps: map[cuda.DevicePtr]*vmap{},
 	}
 }
 
@@ -186,11 +205,13 @@ func (d *Driver) Calls(op string) int {
 }
 
 // Live counts what d still holds: allocations (device and host) not freed, IPC mappings not
-// closed, streams, events and modules not destroyed. Tests assert it returns to zero.
+// closed, memory handles not released, address ranges not freed, mappings not unmapped,
+// streams, events and modules not destroyed. Tests assert it returns to zero.
 func (d *Driver) Live() int {
 	d.w.mu.Lock()
 	defer d.w.mu.Unlock()
-	return len(d.mapped) + len(d.streams) - 1 + len(d.events) + len(d.modules)
+	return len(d.mapped) + len(d.streams) - 1 + len(d.events) + len(d.modules) +
+		len(d.memHandles) + len(d.reserved) + len(d.vmaps)
 }
 
 // Bytes is the memory at [p, p+n): device memory, host memory or an IPC mapping of d. Writes
@@ -213,6 +234,9 @@ func (d *Driver) bytes(p cuda.DevicePtr, n int) ([]byte, error) {
 			}
 			return a.buf[off : off+n : off+n], nil
 		}
+	}
+	if base, m := d.vmapAt(p); m != nil {
+		return m.bytes(base, p, n)
 	}
 	return nil, fmt.Errorf("pyep: fake: %#x is not memory of this process: %w", uint64(p), cuda.ErrorIllegalAddress)
 }
@@ -317,6 +341,10 @@ func (d *Driver) DeviceGetAttribute(dev cuda.Device, attr cuda.DeviceAttribute) 
 		return 1, nil
 	case cuda.AttrPCIBusID:
 		return pciBus(dev.Ordinal()), nil
+	case cuda.AttrVirtualMemoryManagement, cuda.AttrHandleTypePosixFD:
+		return b2i(d.vmm()), nil
+	case cuda.AttrHandleTypeFabric:
+		return b2i(d.vmm() && d.cfg.Fabric), nil
 	}
 	return 0, nil
 }
@@ -688,6 +716,21 @@ func (d *Driver) PointerGetAttribute(attr cuda.PointerAttribute, p cuda.DevicePt
 			return uint64(0xc000 + a.device), nil
 		}
 		return 0, fmt.Errorf("pyep: fake: pointer attribute %d: %w", attr, cuda.ErrorNotSupported)
+	}
+	if base, m := d.vmapAt(p); m != nil {
+		switch attr {
+		case cuda.PointerAttrMemoryType:
+			return uint64(cuda.MemoryTypeDevice), nil
+		case cuda.PointerAttrDeviceOrdinal:
+			return uint64(m.phys.device), nil
+		case cuda.PointerAttrDevicePointer:
+			return uint64(p), nil
+		case cuda.PointerAttrRangeStartAddr:
+			return uint64(base), nil
+		case cuda.PointerAttrRangeSize:
+			return uint64(m.size), nil
+		}
+		return 0, fmt.Errorf("pyep: fake: pointer attribute %d of mapped memory: %w", attr, cuda.ErrorNotSupported)
 	}
 	return 0, fmt.Errorf("pyep: fake: %#x is not memory of this process: %w", uint64(p), cuda.ErrorInvalidValue)
 }
