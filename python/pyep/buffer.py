@@ -522,7 +522,9 @@ class Buffer:
         Arguments:
             topk_idx: `[num_tokens, num_topk]` with `pyep.topk_idx_t` (`torch.int64`), the expert of each of a token's
                 top-k choices, `-1` for none; experts are split evenly, rank r holding
-                `[r * num_experts / num_ranks, (r + 1) * num_experts / num_ranks)`.
+                `[r * num_experts / num_ranks, (r + 1) * num_experts / num_ranks)`. An index out of range raises
+                ValueError here on the cpu backend; on cuda (which does not wait for the GPU) the next dispatch
+                raises it, on every rank.
             num_experts: the number of experts, a multiple of the number of ranks.
             previous_event: an event to wait for before the computation.
             async_finish: whether to return an event instead of making the current stream wait.
@@ -591,7 +593,8 @@ class Buffer:
                 and async_finish).
 
         Returns:
-            recv_x: the received tokens, the same type (tensor or tuple) as `x`, `[num_recv_tokens, hidden]`.
+            recv_x: the received tokens, the same type (tensor or tuple) as `x`, `[num_recv_tokens, hidden]` (on cuda
+                a view of rows allocated for the most this rank could receive; see the README, PYEP_QUEUED_DISPATCH).
             recv_topk_idx: `[num_recv_tokens, num_topk]` with `pyep.topk_idx_t`: the local expert index on this rank,
                 -1 for experts elsewhere (None in cached mode or without topk_idx).
             recv_topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, 0 where the index is -1 (None likewise).
