@@ -223,10 +223,7 @@ func (b *Buffer) NotifyDispatch(capacity int, na NotifyArgs, da DispatchArgs) (i
 	if err != nil {
 		return 0, false, err
 	}
-	if int64(capacity) != d.RecvX.Shape[0] {
-		return 0, false, Argf("recv_x: %d rows, expected the capacity, %d", d.RecvX.Shape[0], capacity)
-	}
-	n.Capacity = capacity
+	n.Capacity = capacity // the engine checks it against recv_x's rows
 	eng, peers, err := b.engine()
 	if err != nil {
 		return 0, false, err

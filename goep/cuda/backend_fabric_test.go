@@ -65,18 +65,7 @@ func sameFDs(t *testing.T, want int, msgAndArgs ...any) {
 // fabricDomain is domain with AllocateFabric.
 func fabricDomain(t *testing.T, ranks []rank, size int64) ([]goep.LocalRegion, [][]byte) {
 	t.Helper()
-	locals := make([]goep.LocalRegion, len(ranks))
-	tokens := make([][]byte, len(ranks))
-	ids := make([]int, len(ranks))
-	for r, rk := range ranks {
-		l, err := rk.be.AllocateFabric(size, len(ranks)-1)
-		require.NoError(t, err)
-		locals[r], tokens[r], ids[r] = l, l.Token(), r
-	}
-	for r, rk := range ranks {
-		require.NoError(t, rk.be.CheckPeers(r, ids, tokens))
-	}
-	return locals, tokens
+	return domainWith(t, ranks, size, (*cuda.Backend).AllocateFabric)
 }
 
 func TestAllocateFabricKinds(t *testing.T) {

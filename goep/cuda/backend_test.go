@@ -148,11 +148,18 @@ func TestBackendAllocateFailureLeaksNothing(t *testing.T) {
 // domain allocates a region on every rank and runs CheckPeers on each, as Buffer.Sync will.
 func domain(t *testing.T, ranks []rank, size int64) ([]goep.LocalRegion, [][]byte) {
 	t.Helper()
+	return domainWith(t, ranks, size, (*cuda.Backend).Allocate)
+}
+
+// domainWith is domain with the allocation call of choice (Allocate or AllocateFabric).
+func domainWith(t *testing.T, ranks []rank, size int64,
+	allocate func(*cuda.Backend, int64, int) (goep.LocalRegion, error)) ([]goep.LocalRegion, [][]byte) {
+	t.Helper()
 	locals := make([]goep.LocalRegion, len(ranks))
 	tokens := make([][]byte, len(ranks))
 	ids := make([]int, len(ranks))
 	for r, rk := range ranks {
-		l, err := rk.be.Allocate(size, len(ranks)-1)
+		l, err := allocate(rk.be, size, len(ranks)-1)
 		require.NoError(t, err)
 		locals[r], tokens[r], ids[r] = l, l.Token(), r
 	}

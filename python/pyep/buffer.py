@@ -692,8 +692,8 @@ class Buffer:
                 recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = (
                     None if t is None else t[:n] for t in out)
             else:
-                self._queued_rows = max(self._queued_rows, -n - 1)
                 rows = -n - 1
+                self._queued_rows = max(self._queued_rows, rows)
         else:
             rows = _core.call("DispatchNotify", self.runtime.id, *fields, num_experts, expert_alignment, num_worst_tokens,
                               *layout, dl(topk_idx))
@@ -709,7 +709,7 @@ class Buffer:
             per_expert_list = []
         elif device.type == "cuda":
             # The host's copy from notify: reading the tensor would wait for the streams.
-            per_expert_list = [int(v) for v in _core.call("BufferRecvPerExpert", self.runtime.id).split()]
+            per_expert_list = list(map(int, _core.call("BufferRecvPerExpert", self.runtime.id).split()))
         else:
             per_expert_list = recv_per_expert.tolist()
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
