@@ -26,14 +26,19 @@
 //
 // Every rank's data region (num_nvl_bytes) holds, for one call:
 //
-//   [tails: u64 [C*R]][heads: u32 [C*R]][ring slot fields ...]      ...      [notify scratch]
+//   [tails: u64 [C*R][kSubRings]][heads: u32 [C*R][kSubRings]][ring slot fields ...] ... [notify scratch]
 //
 // Ring (c, s -> r), for channel c from sender s to receiver r, lives in r's region: its slots
-// (one array per field, all rings' slots of a field in one array), and its tail word
-// tails[c*R + s] there, which s writes: (count + 1) << 32 | tokens pushed so far, count being
-// what s will push on it in this call (0: not announced yet). Its head word, the tokens r has
-// consumed, lives in the sender's region, heads[c*R + r] of s, written by r: so both sides
-// poll their own memory and only write across NVLink.
+// (one array per field, all rings' slots of a field in one array). A ring is split into W
+// sub-rings of S = ring_slots / W slots (sub_rings below): the ring's i-th token goes to
+// sub-ring i % W, slot (i / W) % S, so that sending warp w and receiving warp w of a pair of
+// blocks stream sub-ring w on their own, with no barrier between the warps of a block. The tail
+// words tails[c*R + s][w] there are written by s: (count + 1) << 32 | tokens of sub-ring w
+// pushed so far, count being what s will push on the whole ring in this call (0: not announced
+// yet). The head words, in the sender's region (heads[c*R + r][w] of s, written by r), count
+// what r has consumed: per sub-ring in dispatch; in combine, word 0 counts the ring's tokens
+// freed (the reducers take tokens in token order, not by sub-ring). So both sides poll their own
+// memory and only write across NVLink.
 //
 // Counters are reset by their owner between two barriers at the start of every call (notify
 // does it for the dispatch that follows it, pyep_prologue for a cached dispatch or a combine):
@@ -46,10 +51,15 @@
 //
 // # Ordering
 //
-// Data is written with plain stores, then published by a st.release.sys of a tail (sender) or
-// head (receiver) after a named barrier of the warps that wrote it; the other side polls with
-// ld.acquire.sys, then reads the ring with relaxed loads at gpu scope (served by L2, never a
-// stale L1 line) after a barrier with the polling thread.
+// Data is written with plain stores. A sending warp then posts its new tail word to its block's
+// publisher warp with a CTA-scope release (lane 0, after a __syncwarp, whose bar.warp.sync orders
+// the lanes' stores first), which costs it no wait; the publisher acquires the posts, issues one
+// fence.acq_rel.sys for all of them and stores the tail words, so the system-scope fence that
+// waits for the stores to land is paid once per round of posts, by a warp that copies nothing.
+// A receiving warp publishes its head itself (st.release.sys by lane 0 after a __syncwarp),
+// every half sub-ring. Each side polls with ld.acquire.sys (lane 0), then the warp reads the
+// ring with relaxed loads at gpu scope (served by L2, never a stale L1 line) after a __syncwarp
+// with the polling lane.
 //
 // # Failures
 //
@@ -94,7 +104,7 @@ struct Ctx {
     i32 rank;           // this rank's NVLink rank
     i32 num_channels;   // C
     i32 ring_slots;     // slots of every ring (num_max_nvl_chunked_recv_tokens)
-    i32 chunk;          // most tokens pushed per step (num_max_nvl_chunked_send_tokens)
+    i32 chunk;          // num_max_nvl_chunked_send_tokens (unused: warps publish as they go)
 };
 static_assert(sizeof(Ctx) == 184, "Ctx layout is shared with the host");
 
@@ -137,8 +147,17 @@ enum : i32 {
 };
 
 PYEP_DEVICE u64* ctl_word(const Ctx& ctx, int r, int off) { return reinterpret_cast<u64*>(ctx.ctl[r] + off); }
-PYEP_DEVICE u64* tails(const Ctx& ctx, int r) { return reinterpret_cast<u64*>(ctx.data[r]); }
-PYEP_DEVICE u32* heads(const Ctx& ctx, int r) { return reinterpret_cast<u32*>(ctx.data[r] + ctx.head_off); }
+// Words per ring in the tails and heads arrays, the most sub-rings a ring has (goep/cuda's
+// ringWords).
+constexpr int kSubRings = 32;
+// Word w of rank r's tails[i] and heads[i]: for ring (c, s -> r) the tails are tails[c*R + s]
+// of r, the heads heads[c*R + r] of s.
+PYEP_DEVICE u64* tail_word(const Ctx& ctx, int r, int ring, int w) {
+    return reinterpret_cast<u64*>(ctx.data[r]) + ring * kSubRings + w;
+}
+PYEP_DEVICE u32* head_word(const Ctx& ctx, int r, int ring, int w) {
+    return reinterpret_cast<u32*>(ctx.data[r] + ctx.head_off) + ring * kSubRings + w;
+}
 
 // DeepEP's split of T tokens into C channels of consecutive tokens.
 PYEP_DEVICE void channel_range(i32 num_tokens, i32 num_channels, i32 c, i32& lo, i32& hi) {
@@ -561,13 +580,101 @@ extern "C" __global__ void __launch_bounds__(256, 1) pyep_prologue(const Prologu
 // Shared by dispatch and combine: the warp groups of a block. Warps [g*WPR, (g+1)*WPR) serve
 // peer g; a group synchronises on named barrier 1 + g.
 
-constexpr int kWarpsPerRank = kWarps / kRanks;
+// A sending block's warps: kWarpsPerRank for each peer (warp group g serves peer g), then the
+// publisher (the last warp). A receiving block groups its warps alike.
+constexpr int kWarpsPerRank = (kWarps - 1) / kRanks;
+constexpr int kPublisher = kWarps - 1;
+static_assert(kRanks * kWarpsPerRank <= 32, "a publisher lane per sending warp");
 
 PYEP_DEVICE void group_sync(int g) { bar_sync(1 + g, kWarpsPerRank * 32); }
 
+// The sub-rings of every ring of a call (see Memory): the sending and the receiving side derive
+// them alike from the ring's slots.
+struct SubRings {
+    i32 n;      // W: sub-rings, one per sending (and receiving) warp of a peer
+    i32 slots;  // S: slots of each
+};
+PYEP_DEVICE SubRings sub_rings(const Ctx& ctx, int warps_per_peer) {
+    const i32 n = min(min(warps_per_peer, kSubRings), ctx.ring_slots);
+    return {n, ctx.ring_slots / n};
+}
+
+// Lane 0 polls *word (ld.acquire.sys) until ready(value); the warp learns the value. After a
+// failure (recorded by keep_waiting with what, a, b and c) it returns false on every lane. The
+// __syncwarp orders lane 0's acquire before the warp's later accesses.
+template <typename T, typename Ready>
+PYEP_DEVICE bool warp_poll(const Ctx& ctx, const T* word, T& value, Ready ready, i32 op, i32 what, i32 channel,
+                           i32 peer, i64 a, i64 b, i64 c, int lane) {
+    i32 ok = 1;
+    T v = 0;
+    if (lane == 0) {
+        u64 start = 0;
+        for (;;) {
+            v = ld_acquire_sys(word);
+            if (ready(v)) break;
+            if (!keep_waiting(ctx, start, op, what, channel, peer, a, b, c)) {
+                ok = 0;
+                break;
+            }
+        }
+    }
+    value = __shfl_sync(0xffffffffu, v, 0);
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    __syncwarp();
+    return ok != 0;
+}
+
+// A sending warp's progress, for its block's publisher: lane 0 releases v (the tail word the
+// warp wants published) at CTA scope after the warp's stores, which costs the warp no wait for
+// them to land.
+PYEP_DEVICE void post(u64* slot, u64 v, int lane) {
+    __syncwarp();
+    if (lane == 0) st_release_cta(slot, v);
+}
+
+// The sending block's publisher: lane j serves sending warp j (peer j / kWarpsPerRank, sub-ring
+// j % kWarpsPerRank) of channel c. Whenever some of them posted progress, one fence (cumulative:
+// it covers the stores the warps released to it) and then their tail words, so the sending warps
+// stream without ever waiting on a system-scope fence. Returns once every sending warp counted
+// itself out of s_left (after its last post), or the buffer aborted.
+PYEP_DEVICE void publish_tails(const Ctx& ctx, int c, const u64* s_tail, const i32* s_left, int lane) {
+    const int R = kRanks, d = lane / kWarpsPerRank, w = lane % kWarpsPerRank;
+    const bool mine = lane < R * kWarpsPerRank;
+    u64* tail = mine ? tail_word(ctx, d, c * R + ctx.rank, w) : nullptr;
+    u64 published = 0;
+    for (;;) {
+        // Lane 0 reads the count before the lanes read the words (at 0 they are final); the warp
+        // decides as one.
+        i32 left = lane == 0 ? ld_acquire_cta(s_left) : 0;
+        if (lane == 0 && left != 0 && aborted(ctx) != 0) left = 0;
+        left = __shfl_sync(0xffffffffu, left, 0);
+        __syncwarp();
+        const u64 v = mine ? ld_acquire_cta(s_tail + lane) : 0;
+        const bool moved = v != published;
+        if (__any_sync(0xffffffffu, moved)) {
+            fence_acq_rel_sys();
+            if (moved) st_relaxed_sys(tail, v);
+            published = v;
+        }
+        if (left == 0) return;
+        spin_pause();
+    }
+}
+
+// Lane 0 publishes v at *word (st.release.sys) after the warp's earlier stores.
+template <typename T>
+PYEP_DEVICE void warp_publish(T* word, T v, int lane) {
+    __syncwarp();
+    if (lane == 0) st_release_sys(word, v);
+}
+
+// Vectors in flight per lane when a warp copies a row (PYEP_COPY_UNROLL overrides, for tuning).
+#ifndef PYEP_COPY_UNROLL
+#define PYEP_COPY_UNROLL 8
+#endif
+constexpr int kCopyUnroll = PYEP_COPY_UNROLL;
+
 // Copies n vectors from src to dst with one warp, U vectors in flight per lane.
-// Vectors in flight per lane when a warp copies a row.
-constexpr int kCopyUnroll = 8;
 
 // Every load of a round is issued before its stores (predicated, not a remainder loop).
 template <typename V, int U, bool kRingSource>
@@ -589,7 +696,8 @@ PYEP_DEVICE void warp_copy(V* dst, const V* src, int n, int lane) {
 
 // ---------------------------------------------------------------------------------------------
 // Dispatch: block 2c sends channel c's tokens to every rank, block 2c + 1 receives channel c
-// from every rank. In both, warp group g serves rank g.
+// from every rank. In both, warp group g serves rank g, warp wg of it sub-ring wg; the sending
+// block's last warp publishes the tails.
 
 #ifndef PYEP_HIDDEN_BYTES
 #define PYEP_HIDDEN_BYTES 512
@@ -654,10 +762,14 @@ PYEP_DEVICE void push_token(const DispatchParams& p, int d, i64 gs, i32 tok, int
     }
 }
 
-PYEP_DEVICE void dispatch_send(const DispatchParams& p, int c, int d, int wg, int lane, i32* s_flag) {
+// Sending warp wg of peer d on channel c: the channel's tokens for d with ordinal wg mod W, into
+// sub-ring wg; it posts its tail word to the publisher at *slot. Warp 0 also writes send_head and
+// checks the count against is_token_in_rank.
+PYEP_DEVICE void dispatch_send(const DispatchParams& p, int c, int d, int wg, int lane, u64* slot) {
     const Ctx& ctx = p.ctx;
     const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
-    const i32 RS = ctx.ring_slots;
+    const SubRings sr = sub_rings(ctx, kWarpsPerRank);
+    if (wg >= sr.n) return;
     i32 lo, hi;
     channel_range(p.num_tokens, C, c, lo, hi);
     const u8* in_rank = reinterpret_cast<const u8*>(p.in_rank);
@@ -671,97 +783,45 @@ PYEP_DEVICE void dispatch_send(const DispatchParams& p, int c, int d, int wg, in
         count = warp_sum(n);
     }
     const int ring = c * R + me;
-    u64* tail = tails(ctx, d) + ring;
-    const u32* head = heads(ctx, me) + c * R + d;
+    const u32* head = head_word(ctx, me, c * R + d, wg);
     const u64 hdr = static_cast<u64>(count + 1) << 32;
-    const bool leader = wg == 0 && lane == 0;
-    if (leader) st_release_sys(tail, hdr);
+    post(slot, hdr, lane);
+    const i64 sub = static_cast<i64>(ring) * ctx.ring_slots + static_cast<i64>(wg) * sr.slots;
     i32* send_head = reinterpret_cast<i32*>(p.send_head);
-    i32 sent = 0, t = lo;
-    i32 cached_head = 0;
-    for (;;) {
-        // The leader waits for room for the next chunk; the group learns the outcome.
-        if (leader) {
-            i32 flag = 0;
-            if (sent < count) {
-                const i32 chunk = min(ctx.chunk, count - sent);
-                u64 start = 0;
-                while (RS - (sent - cached_head) < chunk) {
-                    cached_head = static_cast<i32>(ld_acquire_sys(head));
-                    if (RS - (sent - cached_head) >= chunk) break;
-                    if (!keep_waiting(ctx, start, kOpDispatch, kWaitHead, c, d, cached_head, sent, RS)) {
-                        flag = 2;
-                        break;
-                    }
-                }
-            } else {
-                flag = 1;
+    i32 ord = 0, pushed = 0;
+    u32 freed = 0;  // tokens of the sub-ring the receiver consumed, as last read
+    for (i32 t = lo; t < hi; t += 32) {
+        const i32 tok = t + lane;
+        const bool in = tok < hi && in_rank[static_cast<i64>(tok) * R + d] != 0;
+        const u32 mask = __ballot_sync(0xffffffffu, in);
+        if (send_head != nullptr && wg == 0 && tok < hi)
+            send_head[static_cast<i64>(tok) * R + d] = in ? ord + __popc(mask & lanemask_lt()) : -1;
+        u32 m = mask;
+        for (i32 o = ord; m != 0; o++) {
+            const int b = __ffs(m) - 1;
+            m &= m - 1;
+            if (o % sr.n != wg || o >= count) continue;
+            if (pushed - static_cast<i32>(freed) >= sr.slots) {
+                const i32 want = pushed;
+                if (!warp_poll(ctx, head, freed, [&](u32 h) { return want - static_cast<i32>(h) < sr.slots; }, kOpDispatch,
+                               kWaitHead, c, d, freed, pushed, sr.slots, lane))
+                    return;
             }
-            s_flag[d] = flag;
+            push_token(p, d, sub + pushed % sr.slots, t + b, lane);
+            pushed++;
+            post(slot, hdr | static_cast<u64>(pushed), lane);
         }
-        group_sync(d);
-        // The leader writes the flag again only after the barrier that ends this chunk.
-        const i32 flag = s_flag[d];
-        if (flag == 2) return;
-        if (flag == 1) break;
-        const i32 chunk = min(ctx.chunk, count - sent);
-        // Find the chunk's tokens 32 at a time; warp (slot % WPR) copies a token.
-        i32 j = 0;
-        while (j < chunk) {
-            if (t >= hi) {
-                if (leader) fail(ctx, kOpDispatch, kCodeMismatch, kBadInRank, c, d, sent + j, count, 0);
-                return;  // every warp of the group takes this branch
-            }
-            const i32 tok = t + lane;
-            const bool in = tok < hi && in_rank[static_cast<i64>(tok) * R + d] != 0;
-            const u32 mask = __ballot_sync(0xffffffffu, in);
-            const i32 n = __popc(mask);
-            const i32 take = min(n, chunk - j);
-            u32 taken = mask;
-            i32 end = 32;
-            if (take < n) {
-                u32 m = mask;
-                for (int q = 1; q < take; q++) m &= m - 1;
-                const int pos = __ffs(m) - 1;
-                taken = mask & ((2u << pos) - 1u);
-                end = pos + 1;
-            }
-            if (send_head != nullptr && wg == 0 && lane < end && tok < hi)
-                send_head[static_cast<i64>(tok) * R + d] = in ? sent + j + __popc(mask & lanemask_lt()) : -1;
-            u32 m = taken;
-            for (i32 q = 0; m != 0; q++) {
-                const int b = __ffs(m) - 1;
-                m &= m - 1;
-                const i32 slot = sent + j + q;
-                if (slot % kWarpsPerRank == wg)
-                    push_token(p, d, static_cast<i64>(ring) * RS + slot % RS, t + b, lane);
-            }
-            j += take;
-            t += end;
-        }
-        group_sync(d);  // the chunk's copies are done
-        sent += chunk;
-        if (leader) st_release_sys(tail, hdr | static_cast<u64>(sent));
+        ord += __popc(mask);
     }
-    // Tokens after the last one sent go nowhere on this channel.
-    if (wg == 0) {
-        bool extra = false;
-        for (i32 tok = t + lane; tok < hi; tok += 32) {
-            extra = extra || in_rank[static_cast<i64>(tok) * R + d] != 0;
-            if (send_head != nullptr) send_head[static_cast<i64>(tok) * R + d] = -1;
-        }
-        if (__any_sync(0xffffffffu, extra) && lane == 0)
-            fail(ctx, kOpDispatch, kCodeMismatch, kBadInRank, c, d, count + 1, count, 0);
-    }
+    // is_token_in_rank must route exactly the channel_prefix_matrix's count here.
+    if (wg == 0 && ord != count && lane == 0) fail(ctx, kOpDispatch, kCodeMismatch, kBadInRank, c, d, ord, count, 0);
 }
 
+// Receiving warp wg of peer s on channel c: sub-ring wg, into rows base + wg, base + wg + W, ...
 PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int s, int wg, int lane, i64* s_avail) {
     const Ctx& ctx = p.ctx;
     const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
-    const i32 RS = ctx.ring_slots;
     const int ring = c * R + s;
-    const u64* tail = tails(ctx, me) + ring;
-    u32* head = heads(ctx, s) + c * R + me;
     const i32* rank_prefix = reinterpret_cast<const i32*>(p.rank_prefix);
     // The leader warp collects s's announced counts of channels 0..c: our rows start after
     // those of channels before c.
@@ -769,7 +829,7 @@ PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int s, int wg, in
         i64 before = 0, mine = 0;
         bool ok = true;
         for (int cc = lane; cc <= c && ok; cc += 32) {
-            const u64* w = tails(ctx, me) + cc * R + s;
+            const u64* w = tail_word(ctx, me, cc * R + s, 0);
             u64 start = 0, v;
             for (;;) {
                 v = ld_acquire_sys(w);
@@ -810,66 +870,63 @@ PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int s, int wg, in
     group_sync(s);
     const i64 base = s_avail[2 * s];
     const i32 count = static_cast<i32>(s_avail[2 * s + 1]);
-    group_sync(s);
-    if (base < 0) return;
+    const SubRings sr = sub_rings(ctx, kWarpsPerRank);
+    if (base < 0 || wg >= sr.n) return;
 
     const u8* buf = reinterpret_cast<const u8*>(ctx.data[me]);
-    const bool leader = wg == 0 && lane == 0;
-    i32 done = 0;
-    for (;;) {
-        if (leader) {
-            i64 avail = -1;
-            if (done > 0) st_release_sys(head, static_cast<u32>(done));
-            if (done < count) {
-                u64 start = 0;
-                for (;;) {
-                    const i32 tl = static_cast<i32>(static_cast<u32>(ld_acquire_sys(tail)));
-                    if (tl > done) {
-                        avail = min(tl, count);
-                        break;
-                    }
-                    if (!keep_waiting(ctx, start, kOpDispatch, kWaitTail, c, s, done, count, 0)) {
-                        avail = -2;
-                        break;
-                    }
-                }
+    const u64* tail = tail_word(ctx, me, ring, wg);
+    u32* head = head_word(ctx, s, c * R + me, wg);
+    const i64 sub = static_cast<i64>(ring) * ctx.ring_slots + static_cast<i64>(wg) * sr.slots;
+    // Our tokens; the head goes out every half sub-ring (the sender waits only on a full one),
+    // and before every wait, so that a sender waiting for room always learns of it.
+    const i32 mine = count > wg ? (count - wg + sr.n - 1) / sr.n : 0;
+    const i32 free_every = max(1, sr.slots / 2);
+    i32 avail = 0, freed = 0;
+    for (i32 k = 0; k < mine; k++) {
+        if (k >= avail) {
+            if (k > freed) {
+                warp_publish(head, static_cast<u32>(k), lane);
+                freed = k;
             }
-            s_avail[2 * s] = avail;
+            u64 v;
+            const i32 want = k;
+            if (!warp_poll(ctx, tail, v, [&](u64 w) { return static_cast<i32>(static_cast<u32>(w)) > want; }, kOpDispatch,
+                           kWaitTail, c, s, wg + static_cast<i64>(k) * sr.n, count, 0, lane))
+                return;
+            avail = min(static_cast<i32>(static_cast<u32>(v)), mine);
         }
-        group_sync(s);
-        const i64 avail = s_avail[2 * s];
-        if (avail < 0) break;
-        for (i32 i = done + wg; i < avail; i += kWarpsPerRank) {
-            const i64 gs = static_cast<i64>(ring) * RS + i % RS;
-            const i64 row = base + i;
-            // The small fields' loads go out before the row's copy (their latency hides behind it).
-            const i64* si = reinterpret_cast<const i64*>(buf + p.off_topk) + gs * kTopk;
-            const float* sw = reinterpret_cast<const float*>(buf + p.off_weights) + gs * kTopk;
-            i64 e0 = -1;
-            float w0 = 0.0f;
-            if (kTopk > 0 && p.recv_topk != 0 && lane < kTopk) e0 = ld_ring(si + lane), w0 = ld_ring(sw + lane);
-            const i32 src0 = lane == 0 && p.recv_src != 0 ? ld_ring(reinterpret_cast<const int*>(buf + p.off_src) + gs) : 0;
-            warp_copy<V, kCopyUnroll, true>(reinterpret_cast<V*>(p.recv_x + row * kHiddenBytes),
-                                  reinterpret_cast<const V*>(buf + p.off_hidden + gs * kHiddenBytes),
-                                  kHiddenBytes / kVec, lane);
-            if (kScalesBytes > 0) {
-                const float* src = reinterpret_cast<const float*>(buf + p.off_scales + gs * kScalesBytes);
-                float* dst = reinterpret_cast<float*>(p.recv_scales + row * kScalesBytes);
-                for (int k = lane; k < kScalesBytes / 4; k += 32) dst[k] = ld_ring(src + k);
-            }
-            if (lane == 0 && p.recv_src != 0) reinterpret_cast<i32*>(p.recv_src)[row] = src0;
-            if (kTopk > 0 && p.recv_topk != 0) {
-                i64* di = reinterpret_cast<i64*>(p.recv_topk) + row * kTopk;
-                float* dw = reinterpret_cast<float*>(p.recv_weights) + row * kTopk;
-                for (int k = lane; k < kTopk; k += 32) {
-                    di[k] = k == lane ? e0 : ld_ring(si + k);
-                    dw[k] = k == lane ? w0 : ld_ring(sw + k);
-                }
+        const i64 gs = sub + k % sr.slots;
+        const i64 row = base + wg + static_cast<i64>(k) * sr.n;
+        // The small fields' loads go out before the row's copy (their latency hides behind it).
+        const i64* si = reinterpret_cast<const i64*>(buf + p.off_topk) + gs * kTopk;
+        const float* sw = reinterpret_cast<const float*>(buf + p.off_weights) + gs * kTopk;
+        i64 e0 = -1;
+        float w0 = 0.0f;
+        if (kTopk > 0 && p.recv_topk != 0 && lane < kTopk) e0 = ld_ring(si + lane), w0 = ld_ring(sw + lane);
+        const i32 src0 = lane == 0 && p.recv_src != 0 ? ld_ring(reinterpret_cast<const int*>(buf + p.off_src) + gs) : 0;
+        warp_copy<V, kCopyUnroll, true>(reinterpret_cast<V*>(p.recv_x + row * kHiddenBytes),
+                                        reinterpret_cast<const V*>(buf + p.off_hidden + gs * kHiddenBytes),
+                                        kHiddenBytes / kVec, lane);
+        if (kScalesBytes > 0) {
+            const float* src = reinterpret_cast<const float*>(buf + p.off_scales + gs * kScalesBytes);
+            float* dst = reinterpret_cast<float*>(p.recv_scales + row * kScalesBytes);
+            for (int q = lane; q < kScalesBytes / 4; q += 32) dst[q] = ld_ring(src + q);
+        }
+        if (lane == 0 && p.recv_src != 0) reinterpret_cast<i32*>(p.recv_src)[row] = src0;
+        if (kTopk > 0 && p.recv_topk != 0) {
+            i64* di = reinterpret_cast<i64*>(p.recv_topk) + row * kTopk;
+            float* dw = reinterpret_cast<float*>(p.recv_weights) + row * kTopk;
+            for (int q = lane; q < kTopk; q += 32) {
+                di[q] = q == lane ? e0 : ld_ring(si + q);
+                dw[q] = q == lane ? w0 : ld_ring(sw + q);
             }
         }
-        group_sync(s);  // the slots are read before the leader frees them
-        done = static_cast<i32>(avail);
+        if (k + 1 - freed >= free_every) {
+            warp_publish(head, static_cast<u32>(k + 1), lane);
+            freed = k + 1;
+        }
     }
+    if (mine > freed) warp_publish(head, static_cast<u32>(mine), lane);
 }
 
 // Padding rows [num_recv, num_out_rows) of a num_worst_tokens dispatch, spread over the
@@ -896,18 +953,25 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_dispatch(const Di
     const int c = static_cast<int>(blockIdx.x) / 2;
     const bool sender = blockIdx.x % 2 == 0;
     PYEP_SHARED(i64, s_avail, 2 * kRanks);
-    PYEP_SHARED(i32, s_flag, kRanks + 1);
+    PYEP_SHARED(u64, s_tail, kRanks * kWarpsPerRank);
+    PYEP_SHARED(i32, s_flag, 2);  // [0]: the verdict of the start, [1]: sending warps not done
+    for (int i = tid; i < kRanks * kWarpsPerRank; i += kThreads) s_tail[i] = 0;
     if (tid == 0) {
         // Every rank reads the same verdict of notify: all run, or none does.
         const bool skip = p.go_seq != 0 && ld_volatile(ctl_word(p.ctx, p.ctx.rank, kCtlGo)) != p.go_seq;
-        s_flag[kRanks] = skip ? 2 : start_ok(p.ctx, kOpDispatch) ? 0 : 1;
+        s_flag[0] = skip ? 2 : start_ok(p.ctx, kOpDispatch) ? 0 : 1;
+        s_flag[1] = kRanks * kWarpsPerRank;
     }
     __syncthreads();
-    if (s_flag[kRanks] != 0) return;
+    if (s_flag[0] != 0) return;
     const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
-    if (g < kRanks) {
-        if (sender) dispatch_send(p, c, g, wg, lane, s_flag);
-        else dispatch_recv(p, c, g, wg, lane, s_avail);
+    if (sender && g < kRanks) {
+        dispatch_send(p, c, g, wg, lane, s_tail + warp);
+        if (lane == 0) red_add_release_cta(s_flag + 1, -1);
+    } else if (sender && warp == kPublisher) {
+        publish_tails(p.ctx, c, s_tail, s_flag + 1, lane);
+    } else if (!sender && g < kRanks) {
+        dispatch_recv(p, c, g, wg, lane, s_avail);
     }
     // Only num_worst_tokens pads: a speculative dispatch's spare rows are not returned.
     if (!sender && p.num_out_rows > 0 && p.go_seq == 0)
@@ -920,8 +984,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_dispatch(const Di
 
 // ---------------------------------------------------------------------------------------------
 // Combine: block 2c returns the rows this rank received on channel c to their ranks (warp
-// group g serves rank g); block 2c + 1 reduces channel c's tokens: warp 0 frees ring slots as
-// the reducers (every other warp, tokens round-robin) move past them.
+// group g serves rank g, warp wg of it sub-ring wg, the last warp publishes the tails); block
+// 2c + 1 reduces channel c's tokens: warp 0 frees ring slots as the reducers (every other warp,
+// tokens round-robin) move past them.
 
 #ifndef PYEP_HIDDEN
 #define PYEP_HIDDEN 256
@@ -983,13 +1048,14 @@ PYEP_DEVICE V pack_vec(const float* acc) {
     return e.v;
 }
 
-PYEP_DEVICE void combine_send(const CombineParams& p, int c, int d, int wg, int lane, i32* s_flag) {
+// Sending warp wg of peer d on channel c: the rows this rank received from d on channel c with
+// ordinal wg mod W, back into sub-ring wg of d's ring; it posts its tail word at *slot.
+PYEP_DEVICE void combine_send(const CombineParams& p, int c, int d, int wg, int lane, u64* slot) {
     const Ctx& ctx = p.ctx;
     const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
-    const i32 RS = ctx.ring_slots;
+    const SubRings sr = sub_rings(ctx, kWarpsPerRank);
     const i32* rank_prefix = reinterpret_cast<const i32*>(p.rank_prefix);
     const i32* cp = reinterpret_cast<const i32*>(p.channel_prefix);
-    const bool leader = wg == 0 && lane == 0;
     // Rows this rank received from d on channel c: [first, first + count).
     const i32 base = d > 0 ? rank_prefix[(d - 1) * R + me] : 0;
     const i32 block = rank_prefix[d * R + me] - base;
@@ -997,57 +1063,41 @@ PYEP_DEVICE void combine_send(const CombineParams& p, int c, int d, int wg, int 
     const i32 end = c + 1 < C ? cp[d * C + c + 1] : block;
     const bool bad = base < 0 || v < 0 || v > end || end > block || (c == 0 && v != 0) || base + end > p.num_rows;
     if (bad) {
-        if (leader) fail(ctx, kOpCombine, kCodeMismatch, kBadChannelPrefix, c, d, v, 0, block);
+        if (wg == 0 && lane == 0) fail(ctx, kOpCombine, kCodeMismatch, kBadChannelPrefix, c, d, v, 0, block);
         return;
     }
+    if (wg >= sr.n) return;
     const i32 first = base + v, count = end - v;
     const int ring = c * R + me;
-    u64* tail = tails(ctx, d) + ring;
-    const u32* head = heads(ctx, me) + c * R + d;
+    const u32* head = head_word(ctx, me, c * R + d, 0);
     const u64 hdr = static_cast<u64>(count + 1) << 32;
-    if (leader) st_release_sys(tail, hdr);
+    post(slot, hdr, lane);
+    const i32 lap = sr.n * sr.slots;  // ring tokens between two uses of a slot
+    const i64 sub = static_cast<i64>(ring) * ctx.ring_slots + static_cast<i64>(wg) * sr.slots;
     u8* dbuf = reinterpret_cast<u8*>(ctx.data[d]);
-    i32 sent = 0, cached_head = 0;
-    for (;;) {
-        if (leader) {
-            i32 flag = 0;
-            if (sent < count) {
-                const i32 chunk = min(ctx.chunk, count - sent);
-                u64 start = 0;
-                while (RS - (sent - cached_head) < chunk) {
-                    cached_head = static_cast<i32>(ld_acquire_sys(head));
-                    if (RS - (sent - cached_head) >= chunk) break;
-                    if (!keep_waiting(ctx, start, kOpCombine, kWaitHead, c, d, cached_head, sent, RS)) {
-                        flag = 2;
-                        break;
-                    }
-                }
-            } else {
-                flag = 1;
-            }
-            s_flag[d] = flag;
+    i32 pushed = 0;
+    u32 freed = 0;  // ring tokens d's reducers are done with, as last read
+    for (i32 i = wg; i < count; i += sr.n) {
+        // The slot last held ring token i - lap.
+        if (i - lap >= static_cast<i32>(freed)) {
+            const i32 want = i - lap;
+            if (!warp_poll(ctx, head, freed, [&](u32 h) { return static_cast<i32>(h) > want; }, kOpCombine, kWaitHead, c,
+                           d, freed, i, lap, lane))
+                return;
         }
-        group_sync(d);
-        const i32 flag = s_flag[d];
-        if (flag != 0) return;
-        const i32 chunk = min(ctx.chunk, count - sent);
-        for (i32 q = wg; q < chunk; q += kWarpsPerRank) {
-            const i32 i = sent + q;
-            const i64 row = first + i;
-            const i64 gs = static_cast<i64>(ring) * RS + i % RS;
-            warp_copy<V, kCopyUnroll, false>(reinterpret_cast<V*>(dbuf + p.off_row + gs * kRowBytes),
-                                   reinterpret_cast<const V*>(p.x + row * kRowBytes), kRowBytes / kVec, lane);
-            if (lane == 0)
-                reinterpret_cast<i32*>(dbuf + p.off_src)[gs] = ld_nc(reinterpret_cast<const int*>(p.src_idx) + row);
-            if (kTopk > 0 && p.weights != 0) {
-                const float* w = reinterpret_cast<const float*>(p.weights) + row * kTopk;
-                float* dw = reinterpret_cast<float*>(dbuf + p.off_weights) + gs * kTopk;
-                for (int k = lane; k < kTopk; k += 32) dw[k] = ld_nc(w + k);
-            }
+        const i64 row = first + i;
+        const i64 gs = sub + pushed % sr.slots;
+        warp_copy<V, kCopyUnroll, false>(reinterpret_cast<V*>(dbuf + p.off_row + gs * kRowBytes),
+                                         reinterpret_cast<const V*>(p.x + row * kRowBytes), kRowBytes / kVec, lane);
+        if (lane == 0)
+            reinterpret_cast<i32*>(dbuf + p.off_src)[gs] = ld_nc(reinterpret_cast<const int*>(p.src_idx) + row);
+        if (kTopk > 0 && p.weights != 0) {
+            const float* w = reinterpret_cast<const float*>(p.weights) + row * kTopk;
+            float* dw = reinterpret_cast<float*>(dbuf + p.off_weights) + gs * kTopk;
+            for (int k = lane; k < kTopk; k += 32) dw[k] = ld_nc(w + k);
         }
-        group_sync(d);
-        sent += chunk;
-        if (leader) st_release_sys(tail, hdr | static_cast<u64>(sent));
+        pushed++;
+        post(slot, hdr | static_cast<u64>(pushed), lane);
     }
 }
 
@@ -1055,38 +1105,45 @@ PYEP_DEVICE void combine_send(const CombineParams& p, int c, int d, int wg, int 
 PYEP_DEVICE void combine_reduce(const CombineParams& p, int c, int r, int lane, i32* s_cur) {
     const Ctx& ctx = p.ctx;
     const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
-    const i32 RS = ctx.ring_slots;
+    const SubRings sr = sub_rings(ctx, kWarpsPerRank);
     i32 lo, hi;
     channel_range(p.num_tokens, C, c, lo, hi);
     const u8* buf = reinterpret_cast<const u8*>(ctx.data[me]);
     const i32* send_head = reinterpret_cast<const i32*>(p.send_head);
-    const u64* tail = tails(ctx, me) + c * R + (lane < R ? lane : 0);
-    i32 seen = 0;  // lane q < R: tokens rank q has pushed on our ring, as last read
+    const int ring = c * R + (lane < R ? lane : 0);
+    // Lane q < R: tokens rank q has pushed on each sub-ring of our ring, as last read.
+    i32 seen[kSubRings];
+    for (int w = 0; w < kSubRings; w++) seen[w] = 0;
     for (i32 t = lo + r; t < hi; t += kReducers) {
         st_release_cta(s_cur + r, t);
         const i32 sh = lane < R ? ld_nc(reinterpret_cast<const int*>(send_head) + static_cast<i64>(t) * R + lane) : -1;
-        // The warp waits as one: lane q < R polls rank q's tail until slot sh has arrived, and
-        // every lane goes round the loop until no lane waits (no lane spins on its own).
+        // Ring token sh is token k of sub-ring w. The warp waits as one: lane q < R polls rank
+        // q's tail word until it has arrived, and every lane goes round the loop until no lane
+        // waits (no lane spins on its own).
+        const int w = sh >= 0 ? sh % sr.n : 0;
+        const i32 k = sh >= 0 ? sh / sr.n : 0;
+        const u64* tail = tail_word(ctx, me, ring, w);
         bool ok = true;
         u64 start = 0;
         for (;;) {
             bool waiting = false;
-            if (ok && sh >= 0 && seen <= sh) {
-                const u64 w = ld_acquire_sys(tail);
-                seen = static_cast<i32>(static_cast<u32>(w));
-                const i64 announced = static_cast<i64>(w >> 32) - 1;
+            if (ok && sh >= 0 && seen[w] <= k) {
+                const u64 word = ld_acquire_sys(tail);
+                seen[w] = static_cast<i32>(static_cast<u32>(word));
+                const i64 announced = static_cast<i64>(word >> 32) - 1;
                 if (announced >= 0 && sh >= announced) {
                     fail(ctx, kOpCombine, kCodeMismatch, kBadSendHead, c, lane, t, sh, announced);
                     ok = false;
-                } else if (seen <= sh) {
-                    ok = keep_waiting(ctx, start, kOpCombine, kWaitToken, c, lane, t, sh, seen);
+                } else if (seen[w] <= k) {
+                    ok = keep_waiting(ctx, start, kOpCombine, kWaitToken, c, lane, t, sh, w + static_cast<i64>(seen[w]) * sr.n);
                     waiting = ok;
                 }
             }
             if (!__any_sync(0xffffffffu, waiting)) break;
         }
+        __syncwarp();  // orders each polling lane's acquire before the whole warp's reads
+        const i64 gs = sh >= 0 ? static_cast<i64>(ring) * ctx.ring_slots + static_cast<i64>(w) * sr.slots + k % sr.slots : -1;
         if (ok && sh >= 0) {
-            const i64 gs = static_cast<i64>(c * R + lane) * RS + sh % RS;
             const i32 got = ld_ring(reinterpret_cast<const int*>(buf + p.off_src) + gs);
             if (got != t) {
                 fail(ctx, kOpCombine, kCodeMismatch, kBadSrc, c, lane, got, t, 0);
@@ -1094,18 +1151,16 @@ PYEP_DEVICE void combine_reduce(const CombineParams& p, int c, int r, int lane, 
             }
         }
         if (!__all_sync(0xffffffffu, ok)) break;
-        i32 shr[kRanks];
+        i64 slot[kRanks];  // rank q's slot of token t, -1 if q did not get it
 #pragma unroll
-        for (int q = 0; q < kRanks; q++) shr[q] = __shfl_sync(0xffffffffu, sh, q);
+        for (int q = 0; q < kRanks; q++) slot[q] = __shfl_sync(0xffffffffu, gs, q);
         const V* b0 = p.bias0 != 0 ? reinterpret_cast<const V*>(p.bias0 + static_cast<u64>(t) * kRowBytes) : nullptr;
         const V* b1 = p.bias1 != 0 ? reinterpret_cast<const V*>(p.bias1 + static_cast<u64>(t) * kRowBytes) : nullptr;
         V* out = reinterpret_cast<V*>(p.out + static_cast<u64>(t) * kRowBytes);
         const V* rows[kRanks];
 #pragma unroll
         for (int q = 0; q < kRanks; q++)
-            rows[q] = reinterpret_cast<const V*>(buf + p.off_row +
-                                                 (static_cast<i64>(c * R + q) * RS + (shr[q] >= 0 ? shr[q] : 0) % RS) *
-                                                     kRowBytes);
+            rows[q] = reinterpret_cast<const V*>(buf + p.off_row + (slot[q] >= 0 ? slot[q] : 0) * kRowBytes);
         // All loads of a round first (bias, then every rank's row), then the sums in the fixed
         // order: bias0, bias1, ranks ascending.
         constexpr int kNV = kRowBytes / kVec;
@@ -1124,7 +1179,7 @@ PYEP_DEVICE void combine_reduce(const CombineParams& p, int c, int r, int lane, 
             }
 #pragma unroll
             for (int q = 0; q < kRanks; q++) {
-                if (shr[q] < 0) continue;
+                if (slot[q] < 0) continue;
 #pragma unroll
                 for (int u = 0; u < U; u++)
                     if (i + 32 * u < kNV) in[q][u] = ld_ring(rows[q] + i + 32 * u);
@@ -1139,7 +1194,7 @@ PYEP_DEVICE void combine_reduce(const CombineParams& p, int c, int r, int lane, 
                 if (b1 != nullptr) add_vec(acc, vb1[u]);
 #pragma unroll
                 for (int q = 0; q < kRanks; q++)
-                    if (shr[q] >= 0) add_vec(acc, in[q][u]);
+                    if (slot[q] >= 0) add_vec(acc, in[q][u]);
                 st_na(out + i + 32 * u, pack_vec(acc));
             }
         }
@@ -1149,9 +1204,7 @@ PYEP_DEVICE void combine_reduce(const CombineParams& p, int c, int r, int lane, 
                 float w = 0.0f;
 #pragma unroll
                 for (int q = 0; q < kRanks; q++)
-                    if (shr[q] >= 0)
-                        w += ld_ring(reinterpret_cast<const float*>(buf + p.off_weights) +
-                                     (static_cast<i64>(c * R + q) * RS + shr[q] % RS) * kTopk + k);
+                    if (slot[q] >= 0) w += ld_ring(reinterpret_cast<const float*>(buf + p.off_weights) + slot[q] * kTopk + k);
                 ow[k] = w;
             }
         }
@@ -1167,7 +1220,7 @@ PYEP_DEVICE void combine_coordinate(const CombineParams& p, int c, int lane, i32
     i32 lo, hi;
     channel_range(p.num_tokens, C, c, lo, hi);
     const i32* send_head = reinterpret_cast<const i32*>(p.send_head);
-    u32* head = heads(ctx, lane < R ? lane : 0) + c * R + me;
+    u32* head = head_word(ctx, lane < R ? lane : 0, c * R + me, 0);
     i32 freed = 0;  // lane q < R: slots of rank q's ring freed so far
     i32 done = lo;  // tokens below this are reduced
     for (;;) {
@@ -1201,7 +1254,7 @@ PYEP_DEVICE void combine_coordinate(const CombineParams& p, int c, int lane, i32
     }
     // Every rank must have returned exactly the rows send_head asked for.
     if (lane < R) {
-        const u64* tail = tails(ctx, me) + c * R + lane;
+        const u64* tail = tail_word(ctx, me, c * R + lane, 0);
         u64 start = 0, w;
         for (;;) {
             w = ld_acquire_sys(tail);
@@ -1217,17 +1270,27 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_combine(const Com
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
     const int c = static_cast<int>(blockIdx.x) / 2;
     const bool sender = blockIdx.x % 2 == 0;
-    PYEP_SHARED(i32, s_flag, kRanks + 1);
+    PYEP_SHARED(i32, s_flag, 2);  // [0]: the verdict of the start, [1]: sending warps not done
     PYEP_SHARED(i32, s_cur, kReducers);
+    PYEP_SHARED(u64, s_tail, kRanks * kWarpsPerRank);
     i32 lo, hi;
     channel_range(p.num_tokens, p.ctx.num_channels, c, lo, hi);
     for (int i = tid; i < kReducers; i += kThreads) s_cur[i] = lo;
-    if (tid == 0) s_flag[kRanks] = start_ok(p.ctx, kOpCombine) ? 0 : 1;
+    for (int i = tid; i < kRanks * kWarpsPerRank; i += kThreads) s_tail[i] = 0;
+    if (tid == 0) {
+        s_flag[0] = start_ok(p.ctx, kOpCombine) ? 0 : 1;
+        s_flag[1] = kRanks * kWarpsPerRank;
+    }
     __syncthreads();
-    if (s_flag[kRanks] != 0) return;
+    if (s_flag[0] != 0) return;
     if (sender) {
         const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
-        if (g < kRanks) combine_send(p, c, g, wg, lane, s_flag);
+        if (g < kRanks) {
+            combine_send(p, c, g, wg, lane, s_tail + warp);
+            if (lane == 0) red_add_release_cta(s_flag + 1, -1);
+        } else if (warp == kPublisher) {
+            publish_tails(p.ctx, c, s_tail, s_flag + 1, lane);
+        }
     } else if (warp == 0) {
         combine_coordinate(p, c, lane, s_cur);
     } else {

@@ -344,6 +344,25 @@ PYEP_DEVICE i32 ld_acquire_cta(const i32* p) {
 PYEP_DEVICE void st_release_cta(i32* p, i32 v) {
     asm volatile("st.release.cta.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+PYEP_DEVICE u64 ld_acquire_cta(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.cta.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+PYEP_DEVICE void st_release_cta(u64* p, u64 v) {
+    asm volatile("st.release.cta.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+PYEP_DEVICE void red_add_release_cta(i32* p, i32 v) {
+    asm volatile("red.release.cta.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Orders everything this thread observed or wrote before it (cumulatively: also what other
+// threads released to it) before its later writes, for every observer in the system.
+PYEP_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// The pause of a busy-wait that has no timeout of its own: nothing on the GPU, where the waiter
+// owns its SM (the emulator yields the CPU instead).
+PYEP_DEVICE void spin_pause() {}
 
 // Compare-and-swap at system scope on device memory (own or a peer's over NVLink).
 PYEP_DEVICE u64 atomic_cas_sys(u64* p, u64 expected, u64 desired) {

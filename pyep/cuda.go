@@ -26,6 +26,21 @@ func BufferCommStream(id int64) (stream uintptr, err error) {
 	return be.CommStream().Raw(), nil
 }
 
+// BufferLastLaunchNs is CLOCK_MONOTONIC (Python's time.perf_counter clock), in nanoseconds,
+// right after the latest kernel launch of the buffer's GPU (0 before the first).
+func BufferLastLaunchNs(id int64) (ns int64, err error) {
+	defer guard("BufferLastLaunchNs", &err)
+	b, err := lookup(id)
+	if err != nil {
+		return 0, err
+	}
+	be, ok := b.Backend().(*cuda.Backend)
+	if !ok {
+		return 0, fmt.Errorf("the %s backend launches no kernels", b.Backend().Name())
+	}
+	return be.LastLaunchNS(), nil
+}
+
 // BufferRecvPerExpert is num_recv_tokens_per_expert of the buffer's last dispatch notify on
 // the cuda backend, space-separated: the host's copy, so reading it waits for no stream.
 func BufferRecvPerExpert(id int64) (counts string, err error) {

@@ -57,6 +57,7 @@ def test_bench_json(tiny_report):
         for p in r["per_rank"]:
             assert len(p["times_us"]) == 1 and p["min_us"] == p["median_us"] == p["max_us"] > 0
             assert p["host_us"] > 0
+            assert p["launch_us"] is None  # the cpu backend launches no kernels
             if op == "layout":  # no bytes; pyep's layout is measured without a dispatch, so without recv_tokens
                 assert p["bytes"] == 0 and p["gbps"] is None
                 continue

@@ -179,6 +179,29 @@ def test_queued_dispatch_redoes_rows_that_do_not_fit(group, device):
     dist.barrier(group)
 
 
+def test_last_launch_is_stamped_inside_the_call(group, device):
+    # pyep.bench's launch time: the core stamps CLOCK_MONOTONIC (time.perf_counter's clock) after each launch.
+    import time
+    from pyep import _core
+    R = group.size()
+    hidden, K, E = 256, 2, 4 * R
+    config = pyep.Buffer.get_dispatch_config(R)
+    buffer = buffer_for(group, config, hidden * 2)
+    x = torch.randn(16, hidden, device=device).to(torch.bfloat16)
+    topk = torch.randint(0, E, (16, K), device=device)
+    w = torch.rand(16, K, device=device)
+    layout = layout_of(buffer, topk, E)
+    for call in (lambda: buffer.dispatch(x, **layout, topk_idx=topk, topk_weights=w, config=config),
+                 lambda: buffer.get_dispatch_layout(topk, E)):
+        before = time.perf_counter()
+        call()
+        after = time.perf_counter()
+        stamp = _core.call("BufferLastLaunchNs", buffer.runtime.id) / 1e9
+        assert before < stamp < after
+    torch.cuda.synchronize()
+    dist.barrier(group)
+
+
 _CHILD = textwrap.dedent("""
     import os, tempfile, torch, torch.distributed as dist
     import pyep

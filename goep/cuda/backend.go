@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -65,6 +66,9 @@ type Backend struct {
 	process string
 
 	comm Stream // pyep's communication stream
+
+	// lastLaunch is CLOCK_MONOTONIC (ns) after the latest kernel launch on comm.
+	lastLaunch atomic.Int64
 
 	// ctrl is a private non-blocking stream for the control copies (zeroing, headers, release
 	// slots), so that they never queue behind other work; scratch is a pinned, device-mapped

@@ -17,3 +17,6 @@ func driverErrorText(Result) (string, string, bool) { return "", "", false }
 
 // getenv is os.Getenv: without cgo, pyep is no library of a C host process.
 func getenv(name string) string { return os.Getenv(name) }
+
+// monotonicNS is 0: without cgo there is no launch to time.
+func monotonicNS() int64 { return 0 }

@@ -46,8 +46,22 @@ type KernelLoader interface {
 // is the default.
 type NormalOptions struct {
 	Loader KernelLoader // nil: NVRTC for the device's architecture
-	// Block sizes of dispatch/combine, notify and layout; 0: 768, 1024, 512.
+	// Block sizes of dispatch/combine, notify and layout; 0: 768 (PYEP_NORMAL_THREADS, a
+	// multiple of 32 up to 1024, read at start-up, overrides it), 1024, 512.
 	Threads, NotifyThreads, LayoutThreads int
+}
+
+// normalThreads is the block size of dispatch and combine: PYEP_NORMAL_THREADS when valid.
+var normalThreads = parseNormalThreads(os.Getenv("PYEP_NORMAL_THREADS"))
+
+// parseNormalThreads is s as a block size of dispatch and combine (a multiple of 32 from 64 to
+// 1024), else 768.
+func parseNormalThreads(s string) int {
+	n, err := strconv.Atoi(strings.TrimSpace(s))
+	if err != nil || n < 64 || n > 1024 || n%32 != 0 {
+		return 768
+	}
+	return n
 }
 
 // SetNormalOptions replaces the engine's options and forgets the kernels loaded so far.
@@ -61,7 +75,7 @@ func (b *Backend) SetNormalOptions(o NormalOptions) {
 
 func (o NormalOptions) withDefaults() NormalOptions {
 	if o.Threads == 0 {
-		o.Threads = 768
+		o.Threads = normalThreads
 	}
 	if o.NotifyThreads == 0 {
 		o.NotifyThreads = 1024
@@ -107,6 +121,7 @@ func (e *normalEngine) launch(f Function, grid, block uint32, params unsafe.Poin
 	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{block, 1, 1}, 0, e.b.comm, params); err != nil {
 		return err
 	}
+	e.b.lastLaunch.Store(monotonicNS())
 	if debugSync {
 		if err := e.b.comm.Synchronize(); err != nil {
 			return fmt.Errorf("pyep: kernel %s failed: %w; launch parameters: %#v", f.name, err, *e.params)
@@ -585,11 +600,15 @@ func (b *Backend) checkDevice(names []string, ts ...dlpack.Tensor) error {
 
 func align(n, a int64) int64 { return (n + a - 1) / a * a }
 
-// counters is the size of the tails and heads of C*R rings, and where the heads start.
+// ringWords is the kernels' kSubRings: tail and head words per ring, the most sub-rings a ring
+// is split into (one per sending warp of a peer).
+const ringWords = 32
+
+// counters is the size of the tails (u64) and heads (u32) of C*R rings, and where the heads start.
 func counters(numChannels, numRanks int) (headOff, total int64) {
-	rings := int64(numChannels) * int64(numRanks)
-	headOff = align(8*rings, 128)
-	return headOff, headOff + align(4*rings, 128)
+	words := int64(numChannels) * int64(numRanks) * ringWords
+	headOff = align(8*words, 128)
+	return headOff, headOff + align(4*words, 128)
 }
 
 // notifyScratch is the size of one sender's block and of the whole scratch.

@@ -10,6 +10,10 @@ import (
 // Python wraps it as torch.cuda.ExternalStream (Buffer.get_comm_stream).
 func (b *Backend) CommStream() Stream { return b.comm }
 
+// LastLaunchNS is CLOCK_MONOTONIC, in nanoseconds, right after this backend's latest kernel
+// launch (0 before the first): where a call's host time ends, for pyep.bench.
+func (b *Backend) LastLaunchNS() int64 { return b.lastLaunch.Load() }
+
 // WrapStream wraps a raw CUstream of this GPU that someone else owns, e.g. PyTorch's current
 // stream as Python passes it (torch.cuda.current_stream().cuda_stream); 0 is the legacy
 // default stream. Never Destroy it.

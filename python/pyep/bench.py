@@ -336,20 +336,24 @@ class Timer:
         torch.cuda.synchronize()
         return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
 
-    def host(self, fn: Callable[[], object], wait: Callable[[object], None], iters: int) -> List[float]:
-        """Seconds from the Python call to its return (the last launch), without synchronizing inside; the
-        device is idle before each call and `wait` joins the result afterwards."""
-        times = []
+    def host(self, fn: Callable[[], object], wait: Callable[[object], None], iters: int,
+             launched: Optional[Callable[[], float]] = None) -> Tuple[List[float], List[float]]:
+        """Seconds from the Python call to its return, and (with `launched`, the time.perf_counter clock
+        reading right after the implementation's latest kernel launch) to its last launch, without
+        synchronizing inside; the device is idle before each call and `wait` joins the result afterwards."""
+        times, launches = [], []
         for _ in range(iters):
             if self.cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             r = fn()
             times.append(time.perf_counter() - t0)
+            if launched is not None:
+                launches.append(launched() - t0)
             wait(r)
         if self.cuda:
             torch.cuda.synchronize()
-        return times
+        return times, launches
 
 
 # ---- implementations ---------------------------------------------------------------------------------------
@@ -367,6 +371,11 @@ class EPImpl:
         self.topk_t = getattr(module, "topk_idx_t", torch.int64)
         self.buffer = module.Buffer(group, num_nvl_bytes)
         self.ops = OPS
+        # pyep on cuda stamps its latest kernel launch (CLOCK_MONOTONIC, perf_counter's clock).
+        self.launched = None
+        if module is pyep and self.buffer.runtime.backend == "cuda":
+            rid = self.buffer.runtime.id
+            self.launched = lambda: pyep._core.call("BufferLastLaunchNs", rid) / 1e9
 
     @staticmethod
     def nvl_bytes(module, cases: List[Case], num_ranks: int) -> int:
@@ -627,7 +636,8 @@ def _merge(records: List[dict]) -> dict:
     if errors:
         out["per_rank"] = []
         return out
-    per_rank = [{k: r[k] for k in ("rank", "median_us", "min_us", "max_us", "host_us", "recv_tokens", "bytes", "gbps", "times_us")}
+    per_rank = [{k: r.get(k) for k in ("rank", "median_us", "min_us", "max_us", "host_us", "launch_us", "recv_tokens",
+                                        "bytes", "gbps", "times_us")}
                 for r in records]
     out["per_rank"] = per_rank
     medians = [r["median_us"] for r in per_rank]
@@ -640,6 +650,8 @@ def _merge(records: List[dict]) -> dict:
     out["gbps_min"] = round(min(gb), 3) if gb else None
     hosts = [r["host_us"] for r in per_rank if r["host_us"] is not None]
     out["host_us_avg"] = round(statistics.fmean(hosts), 3) if hosts else None
+    launches = [r["launch_us"] for r in per_rank if r["launch_us"] is not None]
+    out["launch_us_avg"] = round(statistics.fmean(launches), 3) if launches else None
     recv = [r["recv_tokens"] for r in per_rank if r["recv_tokens"] is not None]
     out["recv_tokens_avg"] = round(statistics.fmean(recv), 1) if recv else None
     out["bytes_total"] = sum(r["bytes"] for r in per_rank)
@@ -655,7 +667,7 @@ class Table:
         self.cols = [("impl", 8, "<"), ("op", 15, "<"), ("tokens", 6, ">"), ("hidden", 6, ">"), ("topk", 4, ">"),
                      ("experts", 7, ">"), ("SMs", 3, ">"), ("nvl s/r", 7, ">"), ("recv", 7, ">"),
                      (f"time {self.mu}", 10, ">"), ("(min-max)", 23, "<"), ("GB/s avg", 8, ">"), ("GB/s min", 8, ">"),
-                     (f"host {self.mu}", 9, ">")]
+                     (f"host {self.mu}", 9, ">"), (f"launch {self.mu}", 10, ">")]
 
     def header(self) -> str:
         head = " ".join(f"{name:{align}{width}}" for name, width, align in self.cols).rstrip()
@@ -678,7 +690,7 @@ class Table:
             return " ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, self.cols)).rstrip()
         vals = head + [num(r["recv_tokens_avg"], ".0f"), num(r["time_us_avg"], ".1f"),
                        f"({r['time_us_min']:.1f}-{r['time_us_max']:.1f})", num(r["gbps_avg"], ".2f"),
-                       num(r["gbps_min"], ".2f"), num(r["host_us_avg"], ".1f")]
+                       num(r["gbps_min"], ".2f"), num(r["host_us_avg"], ".1f"), num(r.get("launch_us_avg"), ".1f")]
         return " ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, self.cols)).rstrip()
 
 
@@ -951,11 +963,13 @@ def _measure_stage(impl, case: Case, ops: List[str], full: bool, data: dict, pla
             fields["config"] = list(_config_fields(cfg)) if cfg is not None else None
             _sync(group, cuda)
             times = timer.run(call, plan.warmup, plan.iters)
-            host = timer.host(host_call, wait, plan.host_iters) if plan.host_iters else []
+            host, launch = timer.host(host_call, wait, plan.host_iters, getattr(impl, "launched", None)) \
+                if plan.host_iters else ([], [])
             med = statistics.median(times)
             nbytes = _bytes_of(op, st["recv_tokens"], case.hidden)
             fields.update(median_us=_us(med), min_us=_us(min(times)), max_us=_us(max(times)),
                           times_us=[_us(t) for t in times], host_us=_us(statistics.median(host)) if host else None,
+                          launch_us=_us(statistics.median(launch)) if launch else None,
                           recv_tokens=st["recv_tokens"], bytes=nbytes,
                           gbps=round(nbytes / 1e9 / med, 3) if nbytes and med > 0 else None)
         except Exception as e:  # noqa: BLE001 - recorded for this op and case
@@ -1089,6 +1103,8 @@ def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], ela
             "gbps": "per rank: bytes / median time; dispatch_bf16, dispatch_cached, combine_bf16: recv_tokens * hidden * 2;"
                     " dispatch_fp8: that * (1 + 4/128) / 2; layout: none. Reported as average and min over ranks",
             "host_us": "per rank: median of time.perf_counter around one call with async_finish=True (baseline: the plain call)",
+            "launch_us": "per rank (pyep on cuda): median time from the Python call to right after its last kernel launch, "
+                         "the core's CLOCK_MONOTONIC stamp; a dispatch returns later, once notify's counts reach the host",
         },
         "skipped": skipped,
         "elapsed_s": round(elapsed, 3),

@@ -296,6 +296,11 @@ PYEP_DEVICE V vec_zero() {
 PYEP_DEVICE void bar_sync(int id, int n) { ::emu::self.b->named[id].wait(n); }
 PYEP_DEVICE i32 ld_acquire_cta(const i32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 PYEP_DEVICE void st_release_cta(i32* p, i32 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+PYEP_DEVICE u64 ld_acquire_cta(const u64* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+PYEP_DEVICE void st_release_cta(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+PYEP_DEVICE void red_add_release_cta(i32* p, i32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
+PYEP_DEVICE void fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
+PYEP_DEVICE void spin_pause() { sched_yield(); }
 PYEP_DEVICE u64 atomic_cas_sys(u64* p, u64 expected, u64 desired) {
     __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     return expected;

@@ -497,6 +497,10 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 		d.recvW = e.alloc(t, dlpack.F32, rows, int64(K))
 		d.sendH = e.alloc(t, dlpack.I32, int64(d.T), int64(R))
 	}
+	launched := make([]int64, R)
+	for r, e := range envs {
+		launched[r] = e.be.LastLaunchNS()
+	}
 	noErrors(t, each(R, func(r int) error {
 		d := rd[r]
 		return envs[r].be.Dispatch(topo[r], peers[r], &goep.DispatchOp{Config: c.cfg, NumTokens: d.T, HiddenBytes: rowBytes,
@@ -505,6 +509,9 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 			RecvX: d.recvX.t, RecvXScales: d.recvSc.t, RecvSrcIdx: d.recvSrc.t, RecvTopkIdx: d.recvTopk.t,
 			RecvTopkWeights: d.recvW.t, SendHead: d.sendH.t})
 	}))
+	for r, e := range envs {
+		assert.Greater(t, e.be.LastLaunchNS(), launched[r], "rank %d: the dispatch's launch is stamped", r)
+	}
 	for r, d := range rd {
 		o := ref[r]
 		require.Equal(t, o.recvX, d.recvX.b, "rank %d recv_x", r)
@@ -733,7 +740,8 @@ func TestEmulatedFourRanks(t *testing.T) {
 	runCase(t, envs, c)
 }
 
-// Four ranks with the GPU's block size (24 warps), one channel: slow.
+// Four ranks with the GPU's block size (24 warps: five sub-rings a ring), one channel: slow.
+// The ring of 3 slots has fewer slots than a peer has sending warps (three sub-rings of one).
 func TestEmulatedGPUBlocks(t *testing.T) {
 	if os.Getenv("PYEP_EMU_SLOW") == "" {
 		t.Skip("set PYEP_EMU_SLOW=1: thousands of threads")
@@ -742,9 +750,14 @@ func TestEmulatedGPUBlocks(t *testing.T) {
 	if v, err := strconv.Atoi(os.Getenv("PYEP_EMU_SMS")); err == nil {
 		sms = v
 	}
-	c := rcase{name: "hidden_2880_R4_768", R: 4, T: 48, E: 16, K: 8, hidden: 2880, dtype: bf16, cfg: cfg(sms, 6, 256), align: 1, bias: 2}
-	envs := newDomainWith(t, c.R, 96<<20, emu.OptionsGPU())
-	runCase(t, envs, c)
+	for _, ring := range []int{256, 3} {
+		c := rcase{name: fmt.Sprintf("hidden_2880_R4_768_ring%d", ring), R: 4, T: 48, E: 16, K: 8, hidden: 2880, dtype: bf16,
+			cfg: cfg(sms, 2, ring), align: 1, bias: 2}
+		t.Run(c.name, func(t *testing.T) {
+			envs := newDomainWith(t, c.R, 96<<20, emu.OptionsGPU())
+			runCase(t, envs, c)
+		})
+	}
 }
 
 type queuedIn struct {
