@@ -26,6 +26,27 @@ func BufferCommStream(id int64) (stream uintptr, err error) {
 	return be.CommStream().Raw(), nil
 }
 
+// BufferStreamOrder orders the buffer's communication stream and stream, a raw CUstream of its
+// GPU (PyTorch's current stream): with commWaits, the work queued on the communication stream
+// from now on waits for what stream holds so far; otherwise stream waits for the communication
+// stream. The host does not block. One call instead of torch's Stream objects and events.
+func BufferStreamOrder(id int64, stream uintptr, commWaits bool) (err error) {
+	defer guard("BufferStreamOrder", &err)
+	b, err := lookup(id)
+	if err != nil {
+		return err
+	}
+	be, ok := b.Backend().(*cuda.Backend)
+	if !ok {
+		return fmt.Errorf("the %s backend has no CUDA stream", b.Backend().Name())
+	}
+	other := be.WrapStream(stream)
+	if commWaits {
+		return be.StreamWait(be.CommStream(), other)
+	}
+	return be.StreamWait(other, be.CommStream())
+}
+
 // BufferLastLaunchNs is CLOCK_MONOTONIC (Python's time.perf_counter clock), in nanoseconds,
 // right after the latest kernel launch of the buffer's GPU (0 before the first).
 func BufferLastLaunchNs(id int64) (ns int64, err error) {

@@ -56,9 +56,16 @@ def _check_tensor(name: str, t: object, dtypes: Tuple[torch.dtype, ...], dims: T
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name}: dtype {t.dtype}, expected " + " or ".join(map(str, dtypes)))
-    if t.dim() != len(dims) or any(d is not None and s != d for s, d in zip(t.shape, dims)):
+    shape = t.shape
+    bad = len(shape) != len(dims)
+    if not bad:
+        for s, d in zip(shape, dims):  # a loop, not any(): this runs on every call
+            if d is not None and s != d:
+                bad = True
+                break
+    if bad:
         expected = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
-        raise ValueError(f"{name}: shape {list(t.shape)}, expected {expected}")
+        raise ValueError(f"{name}: shape {list(shape)}, expected {expected}")
     if t.device != device:
         raise ValueError(f"{name}: on {t.device}, expected {device} (the buffer's device)")
     if not t.is_contiguous():
@@ -452,8 +459,9 @@ class Buffer:
     def _events(self, previous_event: Optional[EventOverlap], async_finish: bool,
                 allocate_on_comm_stream: bool) -> Optional[tuple]:
         """Orders the call after its inputs. On cuda (DeepEP's semantics) the communication stream waits for
-        previous_event, or else for the current stream, and the result is (comm, compute, allocate_on_comm_stream)
-        for _allocating and _finish; on cpu the host waits and the result is None."""
+        previous_event, or else for the current stream, and the result is (comm, the current stream as a raw
+        CUstream, allocate_on_comm_stream) for _allocating and _finish; on cpu the host waits and the result is
+        None."""
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and not (previous_event is not None and async_finish):
@@ -462,13 +470,15 @@ class Buffer:
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.synchronize()
             return None
-        comm, compute = self.get_comm_stream(), torch.cuda.current_stream()
+        comm = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
+        # The raw handle and one call into the core cost less than torch's Stream objects and an event.
+        current = torch._C._cuda_getCurrentRawStream(self._device().index)
         handle = previous_event.event if previous_event is not None else None
         if handle is not None and handle.event is not None:
             comm.wait_event(handle.event)
         else:
-            comm.wait_stream(compute)
-        return comm, compute, allocate_on_comm_stream
+            _core.call("BufferStreamOrder", self.runtime.id, current, True)
+        return comm, current, allocate_on_comm_stream
 
     @staticmethod
     def _allocating(streams: Optional[tuple]):
@@ -481,12 +491,13 @@ class Buffer:
         if streams is None:
             # The cpu backend has finished when its call returns: the event is already complete.
             return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
-        comm, compute, on_comm = streams
+        comm, current, on_comm = streams
         if not async_finish:
-            compute.wait_stream(comm)
+            _core.call("BufferStreamOrder", self.runtime.id, current, False)
             return EventOverlap(None)
         # The tensors stay allocated until the communication stream is past this call (and, when they were
         # allocated there, until the compute stream is past what it has queued so far).
+        compute = torch.cuda.current_stream() if on_comm else None
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 t.record_stream(comm)
