@@ -336,22 +336,18 @@ template <typename V> PYEP_DEVICE V vec_zero() {
 PYEP_DEVICE void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 
 // Shared-memory flags between warps of one block (generic addresses of shared memory).
-PYEP_DEVICE i32 ld_acquire_cta(const i32* p) {
-    i32 v;
-    asm volatile("ld.acquire.cta.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-PYEP_DEVICE void st_release_cta(i32* p, i32 v) {
-    asm volatile("st.release.cta.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-PYEP_DEVICE u64 ld_acquire_cta(const u64* p) {
-    u64 v;
-    asm volatile("ld.acquire.cta.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-PYEP_DEVICE void st_release_cta(u64* p, u64 v) {
-    asm volatile("st.release.cta.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+#define PYEP_DEFINE_CTA(T, ty, c)                                                                  \
+    PYEP_DEVICE T ld_acquire_cta(const T* p) {                                                     \
+        T v;                                                                                       \
+        asm volatile("ld.acquire.cta." ty " %0, [%1];" : "=" c(v) : "l"(p) : "memory");            \
+        return v;                                                                                  \
+    }                                                                                              \
+    PYEP_DEVICE void st_release_cta(T* p, T v) {                                                   \
+        asm volatile("st.release.cta." ty " [%0], %1;" ::"l"(p), c(v) : "memory");                 \
+    }
+PYEP_DEFINE_CTA(i32, "b32", "r")
+PYEP_DEFINE_CTA(u64, "b64", "l")
+#undef PYEP_DEFINE_CTA
 PYEP_DEVICE void red_add_release_cta(i32* p, i32 v) {
     asm volatile("red.release.cta.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }

@@ -11,17 +11,26 @@ import (
 	"github.com/pyep/pyep/goep/jit"
 )
 
+// cudaBuffer finds buffer id and its cuda backend; lacks says what another backend lacks.
+func cudaBuffer(id int64, lacks string) (*goep.Buffer, *cuda.Backend, error) {
+	b, err := lookup(id)
+	if err != nil {
+		return nil, nil, err
+	}
+	be, ok := b.Backend().(*cuda.Backend)
+	if !ok {
+		return nil, nil, fmt.Errorf("the %s backend %s", b.Backend().Name(), lacks)
+	}
+	return b, be, nil
+}
+
 // BufferCommStream is the raw CUstream of the buffer's communication stream (cuda backend),
 // for torch.cuda.ExternalStream.
 func BufferCommStream(id int64) (stream uintptr, err error) {
 	defer guard("BufferCommStream", &err)
-	b, err := lookup(id)
+	_, be, err := cudaBuffer(id, "has no CUDA stream: get_comm_stream() needs the cuda backend (an NCCL group on GPUs)")
 	if err != nil {
 		return 0, err
-	}
-	be, ok := b.Backend().(*cuda.Backend)
-	if !ok {
-		return 0, fmt.Errorf("the %s backend has no CUDA stream: get_comm_stream() needs the cuda backend (an NCCL group on GPUs)", b.Backend().Name())
 	}
 	return be.CommStream().Raw(), nil
 }
@@ -32,13 +41,9 @@ func BufferCommStream(id int64) (stream uintptr, err error) {
 // stream. The host does not block. One call instead of torch's Stream objects and events.
 func BufferStreamOrder(id int64, stream uintptr, commWaits bool) (err error) {
 	defer guard("BufferStreamOrder", &err)
-	b, err := lookup(id)
+	_, be, err := cudaBuffer(id, "has no CUDA stream")
 	if err != nil {
 		return err
-	}
-	be, ok := b.Backend().(*cuda.Backend)
-	if !ok {
-		return fmt.Errorf("the %s backend has no CUDA stream", b.Backend().Name())
 	}
 	other := be.WrapStream(stream)
 	if commWaits {
@@ -51,13 +56,9 @@ func BufferStreamOrder(id int64, stream uintptr, commWaits bool) (err error) {
 // right after the latest kernel launch of the buffer's GPU (0 before the first).
 func BufferLastLaunchNs(id int64) (ns int64, err error) {
 	defer guard("BufferLastLaunchNs", &err)
-	b, err := lookup(id)
+	_, be, err := cudaBuffer(id, "launches no kernels")
 	if err != nil {
 		return 0, err
-	}
-	be, ok := b.Backend().(*cuda.Backend)
-	if !ok {
-		return 0, fmt.Errorf("the %s backend launches no kernels", b.Backend().Name())
 	}
 	return be.LastLaunchNS(), nil
 }
@@ -66,13 +67,9 @@ func BufferLastLaunchNs(id int64) (ns int64, err error) {
 // the cuda backend, space-separated: the host's copy, so reading it waits for no stream.
 func BufferRecvPerExpert(id int64) (counts string, err error) {
 	defer guard("BufferRecvPerExpert", &err)
-	b, err := lookup(id)
+	b, be, err := cudaBuffer(id, "keeps no host copy of the counts")
 	if err != nil {
 		return "", err
-	}
-	be, ok := b.Backend().(*cuda.Backend)
-	if !ok {
-		return "", fmt.Errorf("the %s backend keeps no host copy of the counts", b.Backend().Name())
 	}
 	peers, err := b.Peers()
 	if err != nil {
