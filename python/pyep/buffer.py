@@ -470,7 +470,7 @@ class Buffer:
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.synchronize()
             return None
-        comm = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
+        comm = self.get_comm_stream()
         # The raw handle and one call into the core cost less than torch's Stream objects and an event.
         current = torch._C._cuda_getCurrentRawStream(self._device().index)
         handle = previous_event.event if previous_event is not None else None
