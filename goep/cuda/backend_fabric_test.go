@@ -129,19 +129,11 @@ func TestAllocateFabricKinds(t *testing.T) {
 			for r := range rk {
 				for p := range rk {
 					if p != r {
-						mem(t, rk[r].drv, peers[r][p].Data(), size)[r] = byte(10*r + p)
 						assert.NotEqual(t, locals[p].Data(), peers[r][p].Data(), "mapped at the opener's own address")
 					}
 				}
 			}
-			for p := range rk {
-				got := mem(t, rk[p].drv, locals[p].Data(), n)
-				for r := range rk {
-					if r != p {
-						assert.Equal(t, byte(10*r+p), got[r])
-					}
-				}
-			}
+			crossWrite(t, rk, locals, peers, size)
 			for r := range rk {
 				for p := range rk {
 					if p != r {

@@ -185,6 +185,27 @@ func openAll(t *testing.T, ranks []rank, tokens [][]byte, size int64) [][]goep.R
 	return peers
 }
 
+// crossWrite: rank r writes byte 10r+p at offset r of peer p's data through its mapping, and
+// every p finds each peer's byte in its own region.
+func crossWrite(t *testing.T, rk []rank, locals []goep.LocalRegion, peers [][]goep.Region, size int64) {
+	t.Helper()
+	for r := range rk {
+		for p := range rk {
+			if p != r {
+				mem(t, rk[r].drv, peers[r][p].Data(), int(size))[r] = byte(10*r + p)
+			}
+		}
+	}
+	for p := range rk {
+		got := mem(t, rk[p].drv, locals[p].Data(), len(rk))
+		for r := range rk {
+			if r != p {
+				assert.Equal(t, byte(10*r+p), got[r], "rank %d's byte in rank %d's region", r, p)
+			}
+		}
+	}
+}
+
 func TestBackendPeersShareMemoryAndDestroyCleanly(t *testing.T) {
 	const n, size = 4, 1 << 12
 	probe := &links{}
@@ -194,20 +215,11 @@ func TestBackendPeersShareMemoryAndDestroyCleanly(t *testing.T) {
 	peers := openAll(t, rk, tokens, size)
 	assert.Equal(t, n*n*(n-1)/2, probe.calls, "Open reuses CheckPeers' answers")
 
-	// Rank r writes into peer p's data through its mapping; p sees it.
+	crossWrite(t, rk, locals, peers, size)
 	for r := range rk {
 		for p := range rk {
 			if p != r {
-				mem(t, rk[r].drv, peers[r][p].Data(), size)[r] = byte(10*r + p)
 				mem(t, rk[r].drv, peers[r][p].Control(), 8)[0] = 1
-			}
-		}
-	}
-	for p := range rk {
-		got := mem(t, rk[p].drv, locals[p].Data(), n)
-		for r := range rk {
-			if r != p {
-				assert.Equal(t, byte(10*r+p), got[r])
 			}
 		}
 	}
