@@ -12,8 +12,9 @@ import (
 )
 
 // The normal-mode operations of a Buffer: layout, notify (the count exchange of a dispatch),
-// dispatch (also cached) and combine. Every tensor arrives as a DLPack address; outputs are
-// allocated by the caller. On the cpu backend the data moves through the peers' shared regions
+// dispatch (also cached) and combine. The caller's tensors arrive as DLPack addresses, and the
+// tensors the pyep layer allocated (outputs, a handle's tensors) as data addresses (see
+// Tensors). On the cpu backend the data moves through the peers' shared regions
 // (goep/normal).
 
 // NormalConfig is the intranode part of a Config.
@@ -52,8 +53,8 @@ func (b *Buffer) domain(peers []Region) *normal.Domain {
 }
 
 func (b *Buffer) tensors() *Tensors {
-	if b.backend.DeviceID() >= 0 {
-		return &Tensors{DeviceType: dlpack.CUDA}
+	if id := b.backend.DeviceID(); id >= 0 {
+		return &Tensors{DeviceType: dlpack.CUDA, DeviceID: id}
 	}
 	return &Tensors{DeviceType: dlpack.CPU}
 }
@@ -145,25 +146,26 @@ func (b *Buffer) engine() (NormalEngine, []Region, error) {
 	return e, peers, nil
 }
 
-// Layout counts, for topk_idx [T, K], the tokens for each rank and expert and which ranks
-// each token goes to.
+// Layout counts, for topk_idx [T, K] (DLPack), the tokens for each rank and expert and which
+// ranks each token goes to, into num_tokens_per_rank [R] and num_tokens_per_expert [E] int32
+// and is_token_in_rank [T, R] bool (data addresses).
 func (b *Buffer) Layout(topkIdx uintptr, numExperts int, perRank, perExpert, inRank uintptr) error {
 	R := int64(b.topo.NumRanks)
+	if numExperts <= 0 || numExperts%int(R) != 0 {
+		return Argf("num_experts = %d: expected a positive multiple of num_ranks = %d", numExperts, R)
+	}
 	ts := b.tensors()
 	op := &LayoutOp{NumExperts: numExperts, NumRanks: int(R)}
 	op.TopkIdx = ts.Get("topk_idx", topkIdx, false, i64, -1, -1)
-	op.PerRank = ts.Get("num_tokens_per_rank", perRank, false, i32, R)
-	op.PerExpert = ts.Get("num_tokens_per_expert", perExpert, false, i32, int64(numExperts))
 	T := int64(0)
 	if ts.Err == nil {
 		T = op.TopkIdx.Shape[0]
 	}
-	op.InRank = ts.Get("is_token_in_rank", inRank, false, bool_, T, R)
+	op.PerRank = ts.Own("num_tokens_per_rank", perRank, false, dlpack.I32, R)
+	op.PerExpert = ts.Own("num_tokens_per_expert", perExpert, false, dlpack.I32, int64(numExperts))
+	op.InRank = ts.Own("is_token_in_rank", inRank, false, dlpack.BoolT, T, R)
 	if ts.Err != nil {
 		return ts.Err
-	}
-	if numExperts <= 0 || numExperts%int(R) != 0 {
-		return Argf("num_experts = %d: expected a positive multiple of num_ranks = %d", numExperts, R)
 	}
 	if e, ok := b.backend.(NormalEngine); ok {
 		return wrap(e.Layout(op))
@@ -175,7 +177,8 @@ func (b *Buffer) Layout(topkIdx uintptr, numExperts int, perRank, perExpert, inR
 		Int32s(op.PerRank), Int32s(op.PerExpert), Bools(op.InRank)))
 }
 
-// NotifyArgs are the tensors of a dispatch's count exchange.
+// NotifyArgs are the tensors of a dispatch's count exchange: the layout's and TopkIdx as DLPack
+// addresses, the matrices and NumRecvTokensPerExpert as data addresses.
 type NotifyArgs struct {
 	Config                                              Config
 	NumExperts, ExpertAlignment, NumWorstTokens         int
@@ -247,10 +250,10 @@ func (b *Buffer) notifyOp(a NotifyArgs) (*NotifyOp, error) {
 	op.InRank = ts.Get("is_token_in_rank", a.IsTokenInRank, false, bool_, -1, R)
 	op.PerRank = ts.Get("num_tokens_per_rank", a.NumTokensPerRank, false, i32, R)
 	op.PerExpert = ts.Get("num_tokens_per_expert", a.NumTokensPerExpert, false, i32, int64(a.NumExperts))
-	op.RankPrefix = ts.Get("rank_prefix_matrix", a.RankPrefixMatrix, false, i32, R, R)
-	op.ChannelPrefix = ts.Get("channel_prefix_matrix", a.ChannelPrefixMatrix, false, i32, R, C)
-	op.RecvChannelPrefix = ts.Get("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, false, i32, R, C)
-	op.RecvPerExpert = ts.Get("num_recv_tokens_per_expert", a.NumRecvTokensPerExpert, false, i32, int64(a.NumExperts)/R)
+	op.RankPrefix = ts.Own("rank_prefix_matrix", a.RankPrefixMatrix, false, dlpack.I32, R, R)
+	op.ChannelPrefix = ts.Own("channel_prefix_matrix", a.ChannelPrefixMatrix, false, dlpack.I32, R, C)
+	op.RecvChannelPrefix = ts.Own("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, false, dlpack.I32, R, C)
+	op.RecvPerExpert = ts.Own("num_recv_tokens_per_expert", a.NumRecvTokensPerExpert, false, dlpack.I32, int64(a.NumExperts)/R)
 	if ts.Err == nil {
 		op.TopkIdx = ts.Get("topk_idx", a.TopkIdx, true, i64, op.InRank.Shape[0], -1)
 	}
@@ -261,10 +264,12 @@ func (b *Buffer) notifyOp(a NotifyArgs) (*NotifyOp, error) {
 	return op, nil
 }
 
-// DispatchArgs are the tensors of a dispatch; a cached dispatch has no top-k tensors.
+// DispatchArgs are the tensors of a dispatch; a cached dispatch has no top-k tensors. X,
+// XScales, TopkIdx, TopkWeights and IsTokenInRank are DLPack addresses; the others are data
+// addresses, the recv tensors of NumRecv rows.
 type DispatchArgs struct {
 	Config                                             Config
-	NumExperts, NumWorstTokens                         int
+	NumExperts, NumWorstTokens, NumRecv                int
 	X, XScales, TopkIdx, TopkWeights, IsTokenInRank    uintptr
 	RankPrefixMatrix, ChannelPrefixMatrix              uintptr
 	RecvX, RecvXScales, RecvSrcIdx, RecvTopkIdx        uintptr
@@ -301,9 +306,9 @@ func (b *Buffer) dispatchOp(a DispatchArgs) (*DispatchOp, error) {
 	R, C := int64(b.topo.NumRanks), int64(a.Config.NumChannels())
 	ts := b.tensors()
 	x := ts.Get("x", a.X, false, anyRow, -1, -1)
-	T, N, K := int64(0), int64(-1), int64(0)
+	T, N, K, H := int64(0), int64(a.NumRecv), int64(0), int64(0)
 	if ts.Err == nil {
-		T = x.Shape[0]
+		T, H = x.Shape[0], x.Shape[1]
 	}
 	scales := ts.Get("x_scales", a.XScales, true, f32, T, -1)
 	topk := ts.Get("topk_idx", a.TopkIdx, true, i64, T, -1)
@@ -312,27 +317,21 @@ func (b *Buffer) dispatchOp(a DispatchArgs) (*DispatchOp, error) {
 	}
 	weights := ts.Get("topk_weights", a.TopkWeights, !topk.Valid, f32, T, K)
 	ir := ts.Get("is_token_in_rank", a.IsTokenInRank, false, bool_, T, R)
-	rpm := ts.Get("rank_prefix_matrix", a.RankPrefixMatrix, false, i32, R, R)
-	cpm := ts.Get("channel_prefix_matrix", a.ChannelPrefixMatrix, true, i32, R, C)
-	var recvX dlpack.Tensor
-	if ts.Err == nil {
-		recvX = ts.Get("recv_x", a.RecvX, false, []dlpack.DType{x.DType}, -1, x.Shape[1])
-	}
-	if ts.Err == nil {
-		N = recvX.Shape[0]
-	}
+	rpm := ts.Own("rank_prefix_matrix", a.RankPrefixMatrix, false, dlpack.I32, R, R)
+	cpm := ts.Own("channel_prefix_matrix", a.ChannelPrefixMatrix, true, dlpack.I32, R, C)
+	recvX := ts.Own("recv_x", a.RecvX, false, x.DType, N, H)
 	var recvScales dlpack.Tensor
 	if scales.Valid {
-		recvScales = ts.Get("recv_x_scales", a.RecvXScales, false, f32, N, scales.Shape[1])
+		recvScales = ts.Own("recv_x_scales", a.RecvXScales, false, dlpack.F32, N, scales.Shape[1])
 	}
-	srcIdx := ts.Get("recv_src_idx", a.RecvSrcIdx, true, i32, N)
+	srcIdx := ts.Own("recv_src_idx", a.RecvSrcIdx, true, dlpack.I32, N)
 	var recvTopk, recvWeights dlpack.Tensor
 	if K > 0 {
-		recvTopk = ts.Get("recv_topk_idx", a.RecvTopkIdx, false, i64, N, K)
-		recvWeights = ts.Get("recv_topk_weights", a.RecvTopkWeights, false, f32, N, K)
+		recvTopk = ts.Own("recv_topk_idx", a.RecvTopkIdx, false, dlpack.I64, N, K)
+		recvWeights = ts.Own("recv_topk_weights", a.RecvTopkWeights, false, dlpack.F32, N, K)
 	}
-	rcpm := ts.Get("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, true, i32, R, C)
-	sendHead := ts.Get("send_head", a.SendHead, true, i32, T, R)
+	rcpm := ts.Own("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, true, dlpack.I32, R, C)
+	sendHead := ts.Own("send_head", a.SendHead, true, dlpack.I32, T, R)
 	if ts.Err != nil {
 		return nil, ts.Err
 	}
@@ -343,9 +342,12 @@ func (b *Buffer) dispatchOp(a DispatchArgs) (*DispatchOp, error) {
 		RecvTopkWeights: recvWeights, RecvChannelPrefix: rcpm, SendHead: sendHead}, nil
 }
 
-// CombineArgs are the tensors of a combine.
+// CombineArgs are the tensors of a combine: X, TopkWeights and the biases as DLPack
+// addresses; the handle's tensors (SrcIdx [NumRecv], SendHead [NumTokens, R], the matrices) and
+// the outputs as data addresses.
 type CombineArgs struct {
 	Config                                          Config
+	NumTokens, NumRecv                              int
 	X, TopkWeights, SrcIdx                          uintptr
 	RankPrefixMatrix, ChannelPrefixMatrix, SendHead uintptr
 	Bias0, Bias1, CombinedX, CombinedTopkWeights    uintptr
@@ -364,21 +366,24 @@ func (b *Buffer) Combine(a CombineArgs) error {
 	if weights.Valid {
 		K = weights.Shape[1]
 	}
-	srcIdx := ts.Get("src_idx", a.SrcIdx, false, i32, -1)
-	rpm := ts.Get("rank_prefix_matrix", a.RankPrefixMatrix, false, i32, R, R)
-	rcpm := ts.Get("channel_prefix_matrix", a.ChannelPrefixMatrix, false, i32, R, C)
-	sendHead := ts.Get("send_head", a.SendHead, false, i32, -1, R)
-	T := int64(0)
-	if ts.Err == nil {
-		T = sendHead.Shape[0]
-	}
+	T := int64(a.NumTokens)
+	srcIdx := ts.Own("src_idx", a.SrcIdx, false, dlpack.I32, int64(a.NumRecv))
+	rpm := ts.Own("rank_prefix_matrix", a.RankPrefixMatrix, false, dlpack.I32, R, R)
+	rcpm := ts.Own("channel_prefix_matrix", a.ChannelPrefixMatrix, false, dlpack.I32, R, C)
+	sendHead := ts.Own("send_head", a.SendHead, false, dlpack.I32, T, R)
 	same := []dlpack.DType{x.DType}
 	bias0 := ts.Get("bias[0]", a.Bias0, true, same, T, H)
 	bias1 := ts.Get("bias[1]", a.Bias1, true, same, T, H)
-	out := ts.Get("combined_x", a.CombinedX, false, same, T, H)
-	outWeights := ts.Get("combined_topk_weights", a.CombinedTopkWeights, K == 0, f32, T, K)
+	out := ts.Own("combined_x", a.CombinedX, false, x.DType, T, H)
+	var outWeights dlpack.Tensor
+	if K > 0 {
+		outWeights = ts.Own("combined_topk_weights", a.CombinedTopkWeights, false, dlpack.F32, T, K)
+	}
 	if ts.Err != nil {
 		return ts.Err
+	}
+	if rows < int64(a.NumRecv) {
+		return Argf("x: %d rows, expected the dispatch's %d received rows", rows, a.NumRecv)
 	}
 	op := &CombineOp{Config: a.Config, NumTokens: int(T), Hidden: int(H), NumTopk: int(K),
 		X: x, TopkWeights: weights, SrcIdx: srcIdx, RankPrefix: rpm, ChannelPrefix: rcpm, SendHead: sendHead,

@@ -6,11 +6,43 @@ import (
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
-// Tensors turns the DLPack addresses of one call's arguments into checked views. The first
-// mistake is kept (Err) and names the argument; later calls are no-ops, so a caller checks once.
+// Tensors turns the addresses of one call's tensors into checked views. The first mistake is
+// kept (Err) and names the argument; later calls are no-ops, so a caller checks once.
+//
+// Two kinds of address cross: a caller's tensor comes as the address of its DLPack tensor
+// (Get), which says its device, dtype and shape; a tensor the pyep layer allocated itself (a
+// call's outputs, a handle's tensors) comes as its bare data address (Own), in the shape the
+// core derives from the rest of the call. A DLPack capsule costs about a microsecond of Python,
+// and a dispatch has ten such tensors.
 type Tensors struct {
 	DeviceType int // every tensor must live here (dlpack.CPU or dlpack.CUDA)
+	DeviceID   int // the device ordinal of the tensors of Own
 	Err        error
+}
+
+// Own is a tensor the pyep layer allocated contiguous, of dtype and dims, at data (0 = None;
+// allowed only if optional, or empty: an empty tensor may have no address). Only its presence
+// and its dims can be checked.
+func (ts *Tensors) Own(name string, data uintptr, optional bool, dtype dlpack.DType, dims ...int64) dlpack.Tensor {
+	if ts.Err != nil {
+		return dlpack.Tensor{}
+	}
+	numel := int64(1)
+	for _, d := range dims {
+		if d < 0 {
+			ts.Err = Argf("%s: shape %v has a negative size", name, dims)
+			return dlpack.Tensor{}
+		}
+		numel *= d
+	}
+	if data == 0 && numel != 0 {
+		if !optional {
+			ts.Err = Argf("%s: expected a tensor, got None", name)
+		}
+		return dlpack.Tensor{}
+	}
+	return dlpack.Tensor{Valid: true, Data: dlpack.Pointer(data), DeviceType: ts.DeviceType, DeviceID: ts.DeviceID,
+		DType: dtype, Shape: dims}
 }
 
 // Get parses the tensor at addr (0 = None; allowed only if optional) and checks its dtype

@@ -35,21 +35,44 @@ func BufferCommStream(id int64) (stream uintptr, err error) {
 	return be.CommStream().Raw(), nil
 }
 
-// BufferStreamOrder orders the buffer's communication stream and stream, a raw CUstream of its
-// GPU (PyTorch's current stream): with commWaits, the work queued on the communication stream
-// from now on waits for what stream holds so far; otherwise stream waits for the communication
-// stream. The host does not block. One call instead of torch's Stream objects and events.
-func BufferStreamOrder(id int64, stream uintptr, commWaits bool) (err error) {
-	defer guard("BufferStreamOrder", &err)
-	_, be, err := cudaBuffer(id, "has no CUDA stream")
-	if err != nil {
-		return err
-	}
+// streamOrder orders the buffer's communication stream and stream, a raw CUstream of its GPU
+// (PyTorch's current stream): with commWaits, the work queued on the communication stream from
+// now on waits for what stream holds so far; otherwise stream waits for the communication
+// stream. The host does not block.
+func streamOrder(be *cuda.Backend, stream uintptr, commWaits bool) error {
 	other := be.WrapStream(stream)
 	if commWaits {
 		return be.StreamWait(be.CommStream(), other)
 	}
 	return be.StreamWait(other, be.CommStream())
+}
+
+// The stream order of a normal-mode export, the flags of its order argument: torch's Stream
+// objects and events, or a call of its own, would cost microseconds more.
+const (
+	orderBefore = 1 // the communication stream waits for stream before the call's work (no previous_event)
+	orderAfter  = 2 // stream waits for the communication stream after it (not async_finish)
+)
+
+// ordered runs op between the stream orders that order asks for, on the cuda backend; the cpu
+// backend's calls have finished when they return, so it has none.
+func ordered(b *goep.Buffer, stream uintptr, order int, op func() error) error {
+	be, ok := b.Backend().(*cuda.Backend)
+	if !ok || order == 0 {
+		return op()
+	}
+	if order&orderBefore != 0 {
+		if err := streamOrder(be, stream, true); err != nil {
+			return err
+		}
+	}
+	if err := op(); err != nil {
+		return err
+	}
+	if order&orderAfter != 0 {
+		return streamOrder(be, stream, false)
+	}
+	return nil
 }
 
 // BufferLastLaunchNs is CLOCK_MONOTONIC (Python's time.perf_counter clock), in nanoseconds,

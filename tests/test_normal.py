@@ -295,6 +295,13 @@ def test_bad_input_raises_and_next_call_works(group, device):
         other.combine(x, handle)
     with pytest.raises(ValueError, match="topk_idx, topk_weights: must be None with a handle"):
         buffer.dispatch(x, handle=handle, topk_idx=topk, topk_weights=w)
+    # The core takes a handle's tensors as bare addresses: a tuple with a tensor the dispatch did not return is
+    # refused, even with the dispatch's first tensor.
+    forged = handle[:5] + (handle[5].clone(),)
+    with pytest.raises(ValueError, match="handle: not returned by a dispatch of this buffer"):
+        buffer.combine(x, forged)
+    with pytest.raises(ValueError, match="handle: not returned by a dispatch of this buffer"):
+        buffer.dispatch(x, handle=handle[:3] + (handle[3].clone(),) + handle[4:])
     good_call(group, device, buffer)
 
     # An index out of range inside dispatch is caught by the core before anything moves, on every rank.

@@ -39,9 +39,12 @@ from . import tuning
 
 SCHEMA = "pyep-bench/1"
 OPS = ("layout", "dispatch_bf16", "dispatch_fp8", "dispatch_cached", "combine_bf16")
+# The NCCL all_to_all_single alone of a dispatch's BF16 rows, already in send order: what the fabric gives this
+# traffic through NCCL, a reference for dispatch and combine rather than code a user would run.
+FABRIC_OPS = ("alltoall_bf16",)
 IMPLS = ("pyep", "baseline", "deepep")
 # The baseline has no cached dispatch: its split sizes are already known on the host.
-BASELINE_OPS = ("layout", "dispatch_bf16", "dispatch_fp8", "combine_bf16")
+BASELINE_OPS = ("layout", "dispatch_bf16", "dispatch_fp8", "combine_bf16") + FABRIC_OPS
 # FP8 dispatch moves 1-byte elements plus one float32 scale per 128: DeepEP counts it as BF16 bytes times this.
 FP8_FACTOR = (1 + 4 / 128) / 2
 # Tuning: which measured op stands for which kind of a tuning file.
@@ -137,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sms", type=_int_list, help="SM counts, even (default 8:24:4 on GPU, 8,16,24 on cpu)")
     p.add_argument("--nvl-send", type=_chunk_list, dest="nvl_send", help="Config num_max_nvl_chunked_send_tokens values ('default': the op's recommended)")
     p.add_argument("--nvl-recv", type=_chunk_list, dest="nvl_recv", help="Config num_max_nvl_chunked_recv_tokens values ('default': the op's recommended)")
-    p.add_argument("--ops", type=_name_list(OPS), help=f"operations to measure (default all: {','.join(OPS)})")
+    p.add_argument("--ops", type=_name_list(OPS + FABRIC_OPS),
+                   help=f"operations to measure (default all: {','.join(OPS + FABRIC_OPS)})")
     p.add_argument("--impls", type=_name_list(IMPLS), help="implementations (default pyep,baseline,deepep; pyep with --tune)")
     p.add_argument("--mask-ratio", type=float, default=0.0, dest="mask_ratio", help="fraction of top-k choices set to -1 (default 0)")
     p.add_argument("--seed", type=int, default=0)
@@ -263,7 +267,7 @@ def make_plan(args: argparse.Namespace, backend: str, num_ranks: int) -> Plan:
     cases = sorted(dict.fromkeys(cases), key=Case.sort_key)
 
     impls = list(args.impls) if args.impls else (["pyep"] if mode == "tune" else list(IMPLS))
-    ops = list(args.ops) if args.ops else (list(TUNE_KINDS) if mode == "tune" else list(OPS))
+    ops = list(args.ops) if args.ops else (list(TUNE_KINDS) if mode == "tune" else list(OPS + FABRIC_OPS))
     if mode == "tune" and "pyep" not in impls:
         raise SystemExit("--tune measures pyep: include it in --impls")
     it = _ITERS[backend]
@@ -513,6 +517,11 @@ class Baseline:
 
             def call():
                 return self._dispatch(xf.view(torch.uint8), st), self._dispatch(scales, st)
+        elif op == "alltoall_bf16":
+            send_x = x.index_select(0, st["send_idx"])
+
+            def call():
+                return self._a2a(send_x, st["recv_tokens"], st["recv_counts"], st["send_counts"])
         elif op == "combine_bf16":
             def call():
                 back = self._a2a(st["recv_x"], st["send_tokens"], st["send_counts"], st["recv_counts"])
@@ -619,7 +628,7 @@ def _us(seconds: float) -> float:
 
 
 def _bytes_of(op: str, recv_tokens: int, hidden: int) -> int:
-    """Bytes DeepEP's tests count for an op on one rank: dispatch BF16 and combine, the received rows as BF16
+    """Bytes DeepEP's tests count for an op on one rank: dispatch BF16, combine and alltoall, the received rows as BF16
     (combine's rows sent back are the same rows); FP8, that times (1 + 4/128) / 2; layout, none."""
     if op == "layout":
         return 0
@@ -771,7 +780,7 @@ def plot(results: List[dict], reference: dict, out_dir: str) -> Tuple[List[str],
     ok = [r for r in results if not r.get("error") and r.get("gbps_avg") is not None
           and r["topk"] == reference["topk"] and r["experts"] == reference["experts"]
           and r["nvl_send"] == reference["nvl_send"] and r["nvl_recv"] == reference["nvl_recv"]]
-    ops = [op for op in OPS if op != "layout" and any(r["op"] == op for r in ok)]
+    ops = [op for op in OPS + FABRIC_OPS if op != "layout" and any(r["op"] == op for r in ok)]
     written = []
 
     def figure(xkey: str, fixed: Callable[[dict], bool], fname: str, xlabel: str, log2: bool) -> None:
@@ -1100,7 +1109,7 @@ def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], ela
                  "num_cases": len(plan.cases), "notes": plan.notes},
         "metrics": {
             "time": "per rank: median (min, max) over the timed calls; across ranks: the average of the medians",
-            "gbps": "per rank: bytes / median time; dispatch_bf16, dispatch_cached, combine_bf16: recv_tokens * hidden * 2;"
+            "gbps": "per rank: bytes / median time; dispatch_bf16, dispatch_cached, combine_bf16, alltoall_bf16: recv_tokens * hidden * 2;"
                     " dispatch_fp8: that * (1 + 4/128) / 2; layout: none. Reported as average and min over ranks",
             "host_us": "per rank: median of time.perf_counter around one call with async_finish=True (baseline: the plain call)",
             "launch_us": "per rank (pyep on cuda): median time from the Python call to right after its last kernel launch, "

@@ -2,6 +2,7 @@
 import atexit
 import contextlib
 import ctypes
+import functools
 import os
 import weakref
 from typing import List, Optional, Tuple, Union
@@ -84,6 +85,57 @@ _ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _QUEUED_DISPATCH = os.environ.get("PYEP_QUEUED_DISPATCH", "1") != "0"
 
 
+# The stream order flags of the core's normal-mode calls (orderBefore, orderAfter in pyep/cuda.go).
+_ORDER_BEFORE, _ORDER_AFTER = 1, 2
+
+
+def _addr(t: Optional[torch.Tensor]) -> int:
+    """The data address that the core takes for a tensor pyep allocated (0 for None)."""
+    return 0 if t is None else t.data_ptr()
+
+
+@functools.lru_cache(maxsize=256)
+def _packing(specs: tuple) -> Tuple[Tuple[int, ...], int]:
+    """The byte offsets of tensors ((dtype, shape), ...) packed into one allocation, each on a 256-byte boundary,
+    and the allocation's bytes."""
+    offsets, end = [], 0
+    for dtype, shape in specs:
+        offsets.append(end)
+        n = _element_size(dtype)
+        for s in shape:
+            n *= s
+        end += (n + 255) // 256 * 256
+    return tuple(offsets), max(end, 256)
+
+
+class _Packed:
+    """A call's small output tensors in one allocation: one torch.empty (~3 µs each) instead of one apiece. The core
+    takes their addresses (`addr`); Python makes their views (`view`) once it has returned."""
+
+    __slots__ = ("block", "base", "specs", "offsets", "typed")
+
+    def __init__(self, specs: tuple, device: torch.device) -> None:
+        self.specs = specs
+        self.offsets, size = _packing(specs)
+        self.block = torch.empty(size, dtype=torch.uint8, device=device)
+        self.base = self.block.data_ptr()
+        self.typed = {}
+
+    def addr(self, i: int) -> int:
+        return self.base + self.offsets[i]
+
+    def view(self, i: int, rows: Optional[int] = None) -> torch.Tensor:
+        """Tensor i (one or two dimensions), or its first `rows` rows."""
+        dtype, shape = self.specs[i]
+        if rows is not None:
+            shape = (rows,) + shape[1:]
+        typed = self.typed.get(dtype)
+        if typed is None:
+            typed = self.typed[dtype] = self.block.view(dtype)
+        stride = (shape[1], 1) if len(shape) == 2 else (1,)
+        return typed.as_strided(shape, stride, self.offsets[i] // typed.element_size())
+
+
 def _bytes_view(addr: int) -> torch.Tensor:
     """Wraps a DLManagedTensor made by the core; torch frees it with the tensor."""
     return torch.utils.dlpack.from_dlpack(_capsule_new(addr, _DLTENSOR, None))
@@ -92,7 +144,7 @@ def _bytes_view(addr: int) -> torch.Tensor:
 def _element_size(dtype: torch.dtype) -> int:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _typed_view(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -270,7 +322,6 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        self._handles = weakref.WeakValueDictionary()
         self._comm_stream = None
         self._queued_rows = 0  # the most rows a queued dispatch of this rank had to redo
         self.runtime = _Runtime(_backend_for(group), self.rank, self.group_size, num_nvl_bytes, num_rdma_bytes,
@@ -459,9 +510,10 @@ class Buffer:
     def _events(self, previous_event: Optional[EventOverlap], async_finish: bool,
                 allocate_on_comm_stream: bool) -> Optional[tuple]:
         """Orders the call after its inputs. On cuda (DeepEP's semantics) the communication stream waits for
-        previous_event, or else for the current stream, and the result is (comm, the current stream as a raw
-        CUstream, allocate_on_comm_stream) for _allocating and _finish; on cpu the host waits and the result is
-        None."""
+        previous_event, or else for the current stream, and the current stream waits for the call unless
+        async_finish: the result is (comm, the current stream as a raw CUstream, allocate_on_comm_stream, the order
+        flags) for _allocating, _finish and the core's calls, which order the streams themselves (_ORDER_BEFORE,
+        _ORDER_AFTER). On cpu the host waits and the result is None."""
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and not (previous_event is not None and async_finish):
@@ -471,14 +523,20 @@ class Buffer:
                 previous_event.event.synchronize()
             return None
         comm = self.get_comm_stream()
-        # The raw handle and one call into the core cost less than torch's Stream objects and an event.
+        # The raw handle and flags to the core's call cost less than torch's Stream objects and events.
         current = torch._C._cuda_getCurrentRawStream(self._device().index)
         handle = previous_event.event if previous_event is not None else None
+        order = 0 if async_finish else _ORDER_AFTER
         if handle is not None and handle.event is not None:
             comm.wait_event(handle.event)
         else:
-            _core.call("BufferStreamOrder", self.runtime.id, current, True)
-        return comm, current, allocate_on_comm_stream
+            order |= _ORDER_BEFORE
+        return comm, current, allocate_on_comm_stream, order
+
+    @staticmethod
+    def _order(streams: Optional[tuple]) -> Tuple[int, int]:
+        """The stream and order flags for the core's call (none on cpu)."""
+        return (0, 0) if streams is None else (streams[1], streams[3])
 
     @staticmethod
     def _allocating(streams: Optional[tuple]):
@@ -491,10 +549,9 @@ class Buffer:
         if streams is None:
             # The cpu backend has finished when its call returns: the event is already complete.
             return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
-        comm, current, on_comm = streams
+        comm, _, on_comm, _ = streams
         if not async_finish:
-            _core.call("BufferStreamOrder", self.runtime.id, current, False)
-            return EventOverlap(None)
+            return EventOverlap(None)  # the core's call made the current stream wait (_ORDER_AFTER)
         # The tensors stay allocated until the communication stream is past this call (and, when they were
         # allocated there, until the compute stream is past what it has queued so far).
         compute = torch.cuda.current_stream() if on_comm else None
@@ -512,14 +569,19 @@ class Buffer:
             raise TypeError(f"config must be a pyep.Config, got {type(config).__name__}")
         return config
 
+    def _handle_tag(self, handle: tuple) -> tuple:
+        return (self.runtime.id,) + tuple(map(id, handle[1:]))
+
     def _remember(self, handle: tuple) -> tuple:
-        self._handles[id(handle[0])] = handle[0]
+        # The core takes a handle's tensors as bare addresses (they are pyep's): its first tensor carries the identity
+        # of the buffer and of the others, so that only the tuple this buffer returned passes _check_handle.
+        handle[0]._pyep_handle = self._handle_tag(handle)
         return handle
 
     def _check_handle(self, handle: object, length: int) -> tuple:
         if not isinstance(handle, tuple) or len(handle) != length:
             raise ValueError(f"handle: expected the {length}-tuple returned by this buffer's dispatch")
-        if self._handles.get(id(handle[0])) is not handle[0]:
+        if getattr(handle[0], "_pyep_handle", None) != self._handle_tag(handle):
             raise ValueError("handle: not returned by a dispatch of this buffer (a handle of another buffer?)")
         return handle
 
@@ -560,7 +622,8 @@ class Buffer:
             per_expert = torch.empty(num_experts, dtype=torch.int32, device=device)
             in_rank = torch.empty((topk_idx.size(0), self.group_size), dtype=torch.bool, device=device)
         dl = _DLPack()
-        _core.call("Layout", self.runtime.id, dl(topk_idx), num_experts, dl(per_rank), dl(per_expert), dl(in_rank))
+        _core.call("Layout", self.runtime.id, dl(topk_idx), num_experts, per_rank.data_ptr(), per_expert.data_ptr(),
+                   in_rank.data_ptr(), *self._order(streams))
         per_rdma_rank = None
         if self._multi_domain():
             per_rdma_rank = per_rank.view(-1, 8).sum(1, dtype=torch.int32)
@@ -614,7 +677,9 @@ class Buffer:
             handle: `(rank_prefix_matrix [num_ranks, num_ranks] int32, channel_prefix_matrix [num_ranks, num_channels]
                 int32, recv_channel_prefix_matrix [num_ranks, num_channels] int32, recv_src_idx [num_recv_tokens] int32,
                 is_token_in_rank [num_tokens, num_ranks] bool, send_head [num_tokens, num_ranks] int32)`, for `combine`
-                and cached dispatch (None in cached mode).
+                and cached dispatch (None in cached mode). Pass the tuple itself: only it is accepted. Its int32
+                tensors, recv_src_idx, recv_topk_idx, recv_topk_weights and the received scales are views of one
+                allocation (recv_x has its own).
             event: the event of the dispatch (set when `async_finish`).
         """
         config = self._config(config, self.get_dispatch_config)
@@ -631,9 +696,11 @@ class Buffer:
         _check_int("expert_alignment", expert_alignment, 1)
         _check_int("num_worst_tokens", num_worst_tokens, 0)
         streams = self._events(previous_event, async_finish, allocate_on_comm_stream)
+        stream, order = self._order(streams)
         fields = (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
                   config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
-        channels = config.num_sms // 2
+        C = config.num_sms // 2
+        rid = self.runtime.id
         dl = _DLPack()
 
         if handle is not None:
@@ -641,17 +708,18 @@ class Buffer:
                 raise ValueError("topk_idx, topk_weights: must be None with a handle (cached dispatch)")
             rank_prefix, channel_prefix, _, recv_src_idx, is_token_in_rank, _ = self._check_handle(handle, 6)
             _check_tensor("handle is_token_in_rank", is_token_in_rank, (torch.bool,), (num_tokens, R), device)
-            if channel_prefix.shape != (R, channels):
-                raise ValueError(f"config: {channels} channels, the handle's dispatch used {channel_prefix.size(1)}")
+            if channel_prefix.size(1) != C:
+                raise ValueError(f"config: {C} channels, the handle's dispatch used {channel_prefix.size(1)}")
             rows = recv_src_idx.size(0)
             with self._allocating(streams):
                 recv_x = torch.empty((rows, x.size(1)), dtype=x.dtype, device=device)
                 recv_scales = None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=device)
-            _core.call("Dispatch", self.runtime.id, *fields, 0, rows, dl(x), dl(x_scales), 0, 0, dl(is_token_in_rank),
-                       dl(rank_prefix), dl(channel_prefix), dl(recv_x), dl(recv_scales), 0, 0, 0, 0, 0)
+            _core.call("Dispatch", rid, *fields, 0, rows, rows, dl(x), dl(x_scales), 0, 0, dl(is_token_in_rank),
+                       rank_prefix.data_ptr(), channel_prefix.data_ptr(), recv_x.data_ptr(), _addr(recv_scales),
+                       0, 0, 0, 0, 0, stream, order)
             recv = recv_x if x_scales is None else (recv_x, recv_scales)
             return recv, None, None, None, None, self._finish(
-                async_finish, (x, x_scales, is_token_in_rank, rank_prefix, channel_prefix, recv_x, recv_scales), streams)
+                async_finish, (x, x_scales, is_token_in_rank, rank_prefix, recv_x, recv_scales), streams)
 
         for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                         ("num_tokens_per_expert", num_tokens_per_expert)):
@@ -665,68 +733,79 @@ class Buffer:
             raise ValueError(f"num_tokens_per_expert: {num_experts} experts, expected a positive multiple of num_ranks = {R}")
         if (topk_idx is None) != (topk_weights is None):
             raise ValueError("topk_idx, topk_weights: pass both or neither")
+        K = 0
         if topk_idx is not None:
             _check_tensor("topk_idx", topk_idx, (topk_idx_t,), (num_tokens, None), device)
             _check_tensor("topk_weights", topk_weights, (torch.float32,), (num_tokens, topk_idx.size(1)), device)
+            K = topk_idx.size(1)
+        S = 0 if x_scales is None else x_scales.size(1)
 
-        with self._allocating(streams):
-            rank_prefix = torch.empty((R, R), dtype=torch.int32, device=device)
-            channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=device)
-            recv_channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=device)
-            recv_per_expert = torch.empty(num_experts // R, dtype=torch.int32, device=device)
-        K = 0 if topk_idx is None else topk_idx.size(1)
+        # The handle's tensors and num_recv_tokens_per_expert (0-4), then the received rows' small tensors (5-8:
+        # recv_src_idx, recv_x_scales, recv_topk_idx, recv_topk_weights) in one allocation, recv_x in its own.
+        i32, f32 = torch.int32, torch.float32
+        head = ((i32, (R, R)), (i32, (R, C)), (i32, (R, C)), (i32, (num_experts // R,)), (i32, (num_tokens, R)))
 
-        def outputs(rows):
+        def allocate(rows, specs=()):
+            """recv_x and the packed tensors specs + the received rows' (these from index len(specs))."""
             with self._allocating(streams):
                 return (torch.empty((rows, x.size(1)), dtype=x.dtype, device=device),
-                        None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=device),
-                        torch.empty(rows, dtype=torch.int32, device=device),
-                        None if K == 0 else torch.empty((rows, K), dtype=topk_idx_t, device=device),
-                        None if K == 0 else torch.empty((rows, K), dtype=torch.float32, device=device))
+                        _Packed(specs + ((i32, (rows,)), (f32, (rows, S)), (topk_idx_t, (rows, K)), (f32, (rows, K))), device))
 
-        layout = (dl(num_tokens_per_rank), dl(num_tokens_per_expert), dl(is_token_in_rank), dl(rank_prefix),
-                  dl(channel_prefix), dl(recv_channel_prefix), dl(recv_per_expert))
-        with self._allocating(streams):
-            send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=device)
-        num_recv = -1
+        def dispatch(p, at, recv_x, rows):
+            """The data phase into rows received rows, after a DispatchNotify."""
+            _core.call("Dispatch", rid, *fields, num_experts, num_worst_tokens, rows, dl(x), dl(x_scales), dl(topk_idx),
+                       dl(topk_weights), layout[2], h.addr(0), h.addr(1), recv_x.data_ptr(), p.addr(at + 1) if S else 0,
+                       p.addr(at), p.addr(at + 2) if K else 0, p.addr(at + 3) if K else 0, 0, h.addr(4),
+                       stream, order & _ORDER_AFTER)
+
+        layout = (dl(num_tokens_per_rank), dl(num_tokens_per_expert), dl(is_token_in_rank))
         if num_worst_tokens == 0 and self._queues_dispatch():
             # The data phase is queued behind notify before the counts reach the host, into rows for the most
             # this rank can receive when every rank has as many tokens (or the most seen before); the returned
             # tensors are views of the rows received. If some rank's rows do not fit, nothing moved and the
             # data phase runs again into exact rows.
             capacity = max(R * num_tokens, self._queued_rows, 1)
-            out = outputs(capacity)
-            n = _core.call("DispatchQueued", self.runtime.id, *fields, num_experts, expert_alignment, capacity, *layout,
-                           dl(x), dl(x_scales), dl(topk_idx), dl(topk_weights), *(dl(t) for t in out), dl(send_head))
+            recv_x, h = allocate(capacity, head)
+            p, at = h, len(head)
+            n = _core.call("DispatchQueued", rid, *fields, num_experts, expert_alignment, capacity, *layout,
+                           h.addr(0), h.addr(1), h.addr(2), h.addr(3), dl(x), dl(x_scales), dl(topk_idx), dl(topk_weights),
+                           recv_x.data_ptr(), h.addr(at + 1) if S else 0, h.addr(at), h.addr(at + 2) if K else 0,
+                           h.addr(at + 3) if K else 0, h.addr(4), stream, order)
             if n >= 0:
-                num_recv = n
-                recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = (
-                    None if t is None else t[:n] for t in out)
+                rows = n
+                if n < capacity:
+                    recv_x = recv_x[:n]
             else:
                 rows = -n - 1
                 self._queued_rows = max(self._queued_rows, rows)
+                recv_x, p = allocate(rows)
+                at = 0
+                dispatch(p, at, recv_x, rows)
         else:
-            rows = _core.call("DispatchNotify", self.runtime.id, *fields, num_experts, expert_alignment, num_worst_tokens,
-                              *layout, dl(topk_idx))
+            with self._allocating(streams):
+                h = _Packed(head, device)
+            rows = _core.call("DispatchNotify", rid, *fields, num_experts, expert_alignment, num_worst_tokens, *layout,
+                              h.addr(0), h.addr(1), h.addr(2), h.addr(3), dl(topk_idx), stream, order & _ORDER_BEFORE)
             if num_worst_tokens > 0:
                 rows = num_worst_tokens
-        if num_recv < 0:
-            recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = outputs(rows)
-            _core.call("Dispatch", self.runtime.id, *fields, num_experts, num_worst_tokens, dl(x), dl(x_scales), dl(topk_idx),
-                       dl(topk_weights), dl(is_token_in_rank), dl(rank_prefix), dl(channel_prefix), dl(recv_x),
-                       dl(recv_scales), dl(recv_src_idx), dl(recv_topk_idx), dl(recv_topk_weights), 0, dl(send_head))
-        handle = self._remember((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head))
+            recv_x, p = allocate(rows)
+            at = 0
+            dispatch(p, at, recv_x, rows)
+        recv_src_idx = p.view(at, rows)
+        recv_scales = p.view(at + 1, rows) if S else None
+        recv_topk_idx = p.view(at + 2, rows) if K else None
+        recv_topk_weights = p.view(at + 3, rows) if K else None
+        handle = self._remember((h.view(0), h.view(1), h.view(2), recv_src_idx, is_token_in_rank, h.view(4)))
         if num_worst_tokens > 0:
             per_expert_list = []
         elif device.type == "cuda":
             # The host's copy from notify: reading the tensor would wait for the streams.
-            per_expert_list = list(map(int, _core.call("BufferRecvPerExpert", self.runtime.id).split()))
+            per_expert_list = list(map(int, _core.call("BufferRecvPerExpert", rid).split()))
         else:
-            per_expert_list = recv_per_expert.tolist()
+            per_expert_list = h.view(3).tolist()
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
         event = self._finish(async_finish, (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
-                                            recv_per_expert, recv_x, recv_scales, recv_topk_idx, recv_topk_weights) + handle,
-                             streams)
+                                            is_token_in_rank, recv_x, h.block, p.block), streams)
         return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, event
 
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
@@ -790,9 +869,9 @@ class Buffer:
         # Rows past the dispatch's received rows are num_worst_tokens padding: they do not move.
         _core.call("Combine", self.runtime.id, config.num_sms, config.num_max_nvl_chunked_send_tokens,
                    config.num_max_nvl_chunked_recv_tokens, config.num_max_rdma_chunked_send_tokens,
-                   config.num_max_rdma_chunked_recv_tokens, dl(x), dl(topk_weights), dl(src_idx), dl(rank_prefix),
-                   dl(recv_channel_prefix), dl(send_head), dl(biases[0]), dl(biases[1]), dl(combined_x),
-                   dl(combined_weights))
+                   config.num_max_rdma_chunked_recv_tokens, num_tokens, src_idx.size(0), dl(x), dl(topk_weights),
+                   src_idx.data_ptr(), rank_prefix.data_ptr(), recv_channel_prefix.data_ptr(), send_head.data_ptr(),
+                   dl(biases[0]), dl(biases[1]), combined_x.data_ptr(), _addr(combined_weights), *self._order(streams))
         return combined_x, combined_weights, self._finish(
             async_finish, (x, topk_weights, src_idx, rank_prefix, recv_channel_prefix, send_head) + biases +
             (combined_x, combined_weights), streams)
