@@ -1,7 +1,10 @@
 """Every test runs in each rank of a torchrun launch (1 to 8 processes); a plain `pytest` is a group of one.
 
-The `group` is gloo (the cpu backend) unless PYEP_TEST_DEVICE=cuda, which makes it NCCL with one GPU a rank
-(the cuda backend); `device` is where the tests put their tensors."""
+The `group` is gloo (the cpu backend) unless PYEP_TEST_DEVICE=cuda, which selects the cuda backend: rank r
+uses GPU `LOCAL_RANK % device_count`, in an NCCL group when every rank has a GPU of its own. When ranks share a
+GPU (more ranks than GPUs, e.g. 4 ranks on a one-GPU host), NCCL refuses the communicator, so the group is gloo
+(which handles CUDA tensors) and PYEP_BACKEND=cuda keeps pyep on its cuda backend. `device` is where the tests
+put their tensors; BACKEND names pyep's backend ("cpu" or "cuda")."""
 import os
 import tempfile
 import time
@@ -12,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 DEVICE = os.environ.get("PYEP_TEST_DEVICE", "cpu")
+BACKEND = "cuda" if DEVICE == "cuda" else "cpu"
 # Recommended configs are DeepEP's table in tests, whatever a bench --tune run left on this machine.
 os.environ.setdefault("PYEP_TUNING_FILE", os.path.join(tempfile.gettempdir(), "pyep-tests-no-tuning.json"))
 
@@ -22,9 +26,18 @@ GROUP_TIMEOUT = timedelta(seconds=int(os.environ.get("PYEP_TEST_GROUP_TIMEOUT", 
 @pytest.fixture(scope="session")
 def group():
     if not dist.is_initialized():
+        backend = "gloo"
         if DEVICE == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if DEVICE == "cuda" else "gloo"
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            if local_ranks <= torch.cuda.device_count():
+                backend = "nccl"
+            else:
+                os.environ["PYEP_BACKEND"] = "cuda"
+                if local_rank == 0:
+                    print(f"\nconftest: {local_ranks} ranks share {torch.cuda.device_count()} GPU(s): a gloo group "
+                          "(NCCL refuses ranks on one GPU) with pyep's cuda backend (PYEP_BACKEND=cuda)", flush=True)
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=GROUP_TIMEOUT)
         else:
@@ -51,3 +64,8 @@ def num_ranks(group):
 @pytest.fixture(scope="session")
 def device(group):
     return torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
+
+
+def shares_gpu():
+    """Whether ranks of this launch share a GPU (the cuda backend over a gloo group)."""
+    return DEVICE == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()

@@ -1,4 +1,7 @@
-"""Buffer lifecycle on the cpu backend: construct, sync, see peers' memory, misuse, destroy."""
+"""Buffer lifecycle on the cpu backend: construct, sync, see peers' memory, misuse, destroy.
+
+test_cuda_buffer.py holds the cuda backend's counterparts; under PYEP_TEST_DEVICE=cuda this module still tests the
+cpu backend, over a gloo group of its own."""
 import gc
 import glob
 import os
@@ -12,9 +15,30 @@ import torch
 import torch.distributed as dist
 
 import pyep
+from conftest import DEVICE
 from pyep import _core
 
 NVL_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def group(group):
+    """The cpu backend's group: the session's gloo group, or under PYEP_TEST_DEVICE=cuda a gloo group of this module
+    with PYEP_BACKEND=cpu while it runs."""
+    if DEVICE != "cuda":
+        yield group
+        return
+    saved = os.environ.get("PYEP_BACKEND")
+    os.environ["PYEP_BACKEND"] = "cpu"
+    gloo = dist.new_group(backend="gloo")
+    try:
+        yield gloo
+        dist.barrier(gloo)
+    finally:
+        if saved is None:
+            del os.environ["PYEP_BACKEND"]
+        else:
+            os.environ["PYEP_BACKEND"] = saved
 
 
 def own_segments(pid=None):

@@ -1,9 +1,10 @@
-"""Buffer lifecycle on the cuda backend: each rank on GPU local_rank, over an NCCL group; peers see each
-other's device memory through CUDA IPC over NVLink (or, with use_fabric=True, through cuMem fabric handles or POSIX
-file descriptors).
+"""Buffer lifecycle on the cuda backend: peers see each other's device memory through CUDA IPC (over NVLink between
+GPUs, inside the device between ranks that share one), or, with use_fabric=True, through cuMem fabric handles or
+POSIX file descriptors.
 
-conftest's session group is gloo (the cpu backend); this module makes its own NCCL group from it, and
-synchronises ranks over the gloo group after a torch.cuda.synchronize()."""
+Under PYEP_TEST_DEVICE=cuda the session group is already a cuda one (conftest: NCCL with a GPU a rank, or gloo with
+PYEP_BACKEND=cuda when ranks share a GPU). In a cpu session on a machine with a GPU a rank, this module makes its own
+NCCL group from the gloo one. Ranks synchronise over the session group after a torch.cuda.synchronize()."""
 import os
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import pyep
+from conftest import DEVICE
 from test_normal import Case, expected_combine, expected_receive, expert_output, inputs, on
 
 NVL_BYTES = 1 << 20
@@ -19,12 +21,17 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def nccl(group):
-    """An NCCL group over the same ranks as conftest's gloo group, each rank on its own GPU."""
+    """A group whose Buffers use the cuda backend (see the module's docstring)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU here: the cuda backend needs one")
+    if DEVICE == "cuda":
+        yield group
+        sync_all(group)
+        return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_rank >= torch.cuda.device_count():
-        pytest.skip(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} GPUs)")
+        pytest.skip(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} GPUs): "
+                    "run ranks sharing a GPU with PYEP_TEST_DEVICE=cuda")
     torch.cuda.set_device(local_rank)
     g = dist.new_group(backend="nccl")
     yield g
@@ -256,7 +263,8 @@ def test_cuda_backend_argument_errors(nccl, rank, num_ranks):
         pyep.buffer._Runtime("cuda:x", rank, num_ranks, NVL_BYTES, 0, False, False, False, False)
 
 
-def test_comm_stream_needs_the_cuda_backend(group):
+def test_comm_stream_needs_the_cuda_backend(group, monkeypatch):
+    monkeypatch.delenv("PYEP_BACKEND", raising=False)  # set when ranks share a GPU
     gloo = dist.new_group(backend="gloo")  # its own gloo group: the session's is NCCL on GPU runs
     buffer = pyep.Buffer(gloo, NVL_BYTES, explicitly_destroy=True)  # gloo: the cpu backend
     assert buffer.runtime.backend == "cpu"

@@ -312,10 +312,12 @@ type localRegion struct {
 	nonce  uint64
 	closed bool // guarded by b.mu
 	// Set by CheckPeers (guarded by b.mu): this rank's NVLink rank, the domain's group ranks,
-	// and the peers' tokens (to forget their slots when this region goes).
+	// the peers' tokens (to forget their slots when this region goes) and their processes by
+	// slot (a peer whose process has exited no longer maps anything).
 	self       int
 	ranks      []int
 	peerTokens []string
+	procs      []string
 }
 
 func (l *localRegion) Token() []byte { return bytes.Clone(l.tok) }
@@ -489,10 +491,11 @@ func (b *Backend) defer_(l *localRegion) {
 }
 
 // stillMapped polls l's slots until none reads mapped or timeout passes, and returns the
-// slots still mapped. A region CheckPeers never saw has no handshake.
+// slots still mapped. A region CheckPeers never saw has no handshake. A peer whose process has
+// exited (a rank that died) counts as released: the driver dropped its mappings with it.
 func (b *Backend) stillMapped(l *localRegion, timeout time.Duration) ([]int, error) {
 	b.mu.Lock()
-	self, n := l.self, len(l.ranks)
+	self, n, procs := l.self, len(l.ranks), l.procs
 	b.mu.Unlock()
 	if self < 0 || n <= 1 {
 		return nil, nil
@@ -505,7 +508,7 @@ func (b *Backend) stillMapped(l *localRegion, timeout time.Duration) ([]int, err
 		}
 		var mapped []int
 		for s := range n {
-			if s != self && binary.LittleEndian.Uint32(buf[4*s:]) == slotMapped {
+			if s != self && binary.LittleEndian.Uint32(buf[4*s:]) == slotMapped && !exited(procs[s]) {
 				mapped = append(mapped, s)
 			}
 		}
@@ -601,7 +604,13 @@ func (b *Backend) CheckPeers(nvlRank int, ranks []int, tokens [][]byte) error {
 		return fmt.Errorf("pyep: cuda: the token of NVLink rank %d (this rank) is not a live buffer of this backend", nvlRank)
 	}
 	gpus := make([]peerGPU, n)
+	procs := make([]string, n)
 	for i, raw := range tokens {
+		for j := range i {
+			if bytes.Equal(tokens[j], raw) {
+				return fmt.Errorf("rank %d and rank %d gave the same buffer handle: every rank must make its own Buffer", ranks[j], ranks[i])
+			}
+		}
 		t, err := decodeToken(raw)
 		if err != nil {
 			return fmt.Errorf("rank %d's buffer: %w", ranks[i], err)
@@ -610,6 +619,7 @@ func (b *Backend) CheckPeers(nvlRank int, ranks []int, tokens [][]byte) error {
 			return fmt.Errorf("rank %d's buffer is on another host than rank %d's: %s", ranks[i], ranks[nvlRank], oneHost(t.Kind))
 		}
 		gpus[i] = peerGPU{fmt.Sprintf("rank %d", ranks[i]), t.BusID}
+		procs[i] = t.Process
 	}
 	b.linksMu.Lock()
 	err := checkNVLink(b.probe, gpus, b.links)
@@ -620,7 +630,9 @@ func (b *Backend) CheckPeers(nvlRank int, ranks []int, tokens [][]byte) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	own.self, own.ranks, own.peerTokens = nvlRank, append([]int(nil), ranks...), nil
+	own.procs = make([]string, n)
 	for i, raw := range tokens {
+		own.procs[i] = procs[i]
 		if i != nvlRank {
 			b.slots[string(raw)] = nvlRank
 			b.checked[string(raw)] = true

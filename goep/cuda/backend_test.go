@@ -47,11 +47,21 @@ type rank struct {
 
 func newRanks(t *testing.T, n int, probe cuda.NVLinkProbe, timeout time.Duration) []rank {
 	t.Helper()
+	ordinals := make([]int, n)
+	for r := range ordinals {
+		ordinals[r] = r
+	}
+	return ranksOn(t, ordinals, probe, timeout)
+}
+
+// ranksOn is one fake process a rank, rank r on device ordinals[r] (several ranks may share one).
+func ranksOn(t *testing.T, ordinals []int, probe cuda.NVLinkProbe, timeout time.Duration) []rank {
+	t.Helper()
 	w := fake.NewWorld()
-	ranks := make([]rank, n)
-	for r := range ranks {
+	ranks := make([]rank, len(ordinals))
+	for r, ordinal := range ordinals {
 		d := fake.New(fake.Config{World: w, Devices: 8})
-		be, err := cuda.NewBackend(d, r, cuda.BackendOptions{Timeout: timeout, NVLink: probe, Process: fmt.Sprint("rank", r)})
+		be, err := cuda.NewBackend(d, ordinal, cuda.BackendOptions{Timeout: timeout, NVLink: probe, Process: fmt.Sprint("rank", r)})
 		require.NoError(t, err)
 		ranks[r] = rank{d, be}
 	}
@@ -239,6 +249,40 @@ func TestBackendPeersShareMemoryAndDestroyCleanly(t *testing.T) {
 	closeRanks(t, rk)
 }
 
+func TestBackendRanksSharingAGPU(t *testing.T) {
+	const size = 1 << 12
+	for _, tc := range []struct {
+		name     string
+		ordinals []int
+		probes   int // NVLink probes of one rank: one per pair of distinct GPUs (answers are cached)
+	}{
+		{"4 ranks on one GPU", []int{0, 0, 0, 0}, 0},
+		{"2 GPUs x 2 ranks", []int{0, 0, 1, 1}, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			// A probe that refuses every pair: ranks on one GPU must not need it.
+			broken := map[[2]string]string{{bus(0), bus(0)}: "NOT_SUPPORTED"}
+			probe := &links{broken: broken}
+			rk := ranksOn(t, tc.ordinals, probe, time.Second)
+			locals, tokens := domain(t, rk, size)
+			assert.Equal(t, len(rk)*tc.probes, probe.calls, "only pairs of distinct GPUs are probed")
+			peers := openAll(t, rk, tokens, size)
+			crossWrite(t, rk, locals, peers, size)
+			for r := range rk {
+				for p := range rk {
+					if p != r {
+						require.NoError(t, peers[r][p].Close())
+					}
+				}
+			}
+			for r := range rk {
+				require.NoError(t, locals[r].Close())
+			}
+			closeRanks(t, rk)
+		})
+	}
+}
+
 func TestBackendDestroyWaitsForPeersBounded(t *testing.T) {
 	const n, size = 3, 1 << 10
 	rk := newRanks(t, n, &links{}, 100*time.Millisecond)
@@ -363,7 +407,7 @@ func TestBackendNVLinkCheck(t *testing.T) {
 	assert.ErrorContains(t, rk[0].be.CheckPeers(0, ranks, bad), "rank 10's buffer: not a token")
 	same := append([][]byte(nil), tokens...)
 	same[2] = tokens[0]
-	assert.ErrorContains(t, rk[0].be.CheckPeers(0, ranks, same), "rank 8 (GPU "+bus(0)+") and rank 10 use the same GPU")
+	assert.EqualError(t, rk[0].be.CheckPeers(0, ranks, same), "rank 8 and rank 10 gave the same buffer handle: every rank must make its own Buffer")
 	for _, l := range locals {
 		require.NoError(t, l.Close())
 	}

@@ -29,15 +29,17 @@ type peerGPU struct {
 
 func (p peerGPU) String() string { return fmt.Sprintf("%s (GPU %s)", p.who, p.busID) }
 
-// checkNVLink probes every pair of gpus and names the first pair that is not connected; the
-// message says what to do instead. cache memoises answers by bus-id pair (may be nil).
+// checkNVLink probes every pair of distinct gpus and names the first pair that is not
+// connected; the message says what to do instead. Ranks on the same GPU need no link. cache memoises answers by bus-id pair (may be nil).
 func checkNVLink(probe NVLinkProbe, gpus []peerGPU, cache map[[2]string]string) error {
 	var bad []string
 	for i := range gpus {
 		for j := i + 1; j < len(gpus); j++ {
 			a, b := gpus[i], gpus[j]
 			if strings.EqualFold(a.busID, b.busID) {
-				return fmt.Errorf("%s and %s use the same GPU; pyep's cuda backend needs one GPU per rank (call torch.cuda.set_device(local_rank) before making the Buffer)", a, b.who)
+				// Ranks sharing a GPU reach each other's memory through CUDA IPC inside the device:
+				// no link to probe.
+				continue
 			}
 			status, err := probeCached(probe, a.busID, b.busID, cache)
 			if err != nil {

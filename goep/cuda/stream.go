@@ -3,6 +3,7 @@ package cuda
 import (
 	"fmt"
 	"sync"
+	"time"
 )
 
 // CommStream is pyep's communication stream on this GPU: created by the Backend,
@@ -67,7 +68,9 @@ func SharedBackend(ordinal int) (*Backend, error) {
 	if ordinal < 0 || ordinal >= n {
 		return nil, fmt.Errorf("pyep: cuda device %d: this process sees %d GPUs", ordinal, n)
 	}
-	b, err := NewBackend(drv, ordinal, BackendOptions{})
+	// The backend's own waits (a peer releasing a buffer, the device draining) share the kernels'
+	// bound, PYEP_TIMEOUT_S.
+	b, err := NewBackend(drv, ordinal, BackendOptions{Timeout: time.Duration(opTimeout.Load())})
 	if err != nil {
 		return nil, err
 	}
