@@ -64,6 +64,9 @@ func NewBuffer(p Params, backend Backend) (*Buffer, error) {
 		return nil, Argf("num_rdma_bytes = %d: expected at most %d outside low-latency mode", p.NumRDMABytes, math.MaxInt32)
 	case p.NumRDMABytes > 0 && !(p.NumRanks > NumMaxNVLPeers || p.LowLatencyMode):
 		return nil, Argf("num_rdma_bytes = %d: an RDMA buffer needs more than %d ranks or low_latency_mode=True", p.NumRDMABytes, NumMaxNVLPeers)
+	case p.EnableShrink && !p.LowLatencyMode:
+		// DeepEP allocates the rank mask of shrink mode with low-latency mode's buffers only.
+		return nil, Argf("enable_shrink=True: shrink mode masks ranks in low-latency mode; expected low_latency_mode=True")
 	case backend == nil:
 		return nil, errors.New("no backend")
 	}

@@ -2,6 +2,7 @@ package goep
 
 import (
 	"errors"
+	"math"
 	"os"
 	"strconv"
 	"time"
@@ -28,8 +29,10 @@ var (
 	i64   = []dlpack.DType{dlpack.I64}
 	f32   = []dlpack.DType{dlpack.F32}
 	bool_ = []dlpack.DType{dlpack.BoolT}
-	// Rows that move as opaque bytes: any element type.
-	anyRow = []dlpack.DType{dlpack.BF16, dlpack.F16, dlpack.F32, dlpack.FP8E4M3, {Code: dlpack.UInt, Bits: 8}, {Code: dlpack.Int, Bits: 8}}
+	// Dispatch moves rows as opaque bytes, of any element type (nil), as DeepEP's does.
+	anyRow []dlpack.DType
+	// FP8 scales: float32, or int32 (packed UE8M0), which DeepEP takes too.
+	scaleTypes = []dlpack.DType{dlpack.F32, dlpack.I32}
 	// Rows that combine sums.
 	sumRow = []dlpack.DType{dlpack.BF16, dlpack.F16, dlpack.F32}
 )
@@ -92,9 +95,11 @@ type NotifyOp struct {
 }
 
 // DispatchOp is a checked dispatch (see normal.DispatchArgs); TopkIdx is absent when cached.
+// XScales may be strided: scale j of token t is element t*ScalesTokenStride + j*ScalesStride.
 type DispatchOp struct {
 	Config                                       Config
 	NumTokens, HiddenBytes, ScalesBytes, NumTopk int
+	ScalesTokenStride, ScalesStride              int
 	NumExperts, NumWorstTokens                   int
 	X, XScales, TopkIdx, TopkWeights, InRank     dlpack.Tensor
 	RankPrefix, ChannelPrefix                    dlpack.Tensor
@@ -292,7 +297,7 @@ func (b *Buffer) Dispatch(a DispatchArgs) error {
 	x, scales, topk, weights := op.X, op.XScales, op.TopkIdx, op.TopkWeights
 	return wrap(normal.Dispatch(b.domain(peers), &normal.DispatchArgs{
 		Config: a.Config.normal(), NumTokens: op.NumTokens, HiddenBytes: op.HiddenBytes, ScalesBytes: op.ScalesBytes,
-		NumTopk: op.NumTopk, NumExperts: a.NumExperts,
+		ScalesTokenStride: op.ScalesTokenStride, ScalesStride: op.ScalesStride, NumTopk: op.NumTopk, NumExperts: a.NumExperts,
 		X: Bytes(x), XScales: Bytes(scales), TopkIdx: Int64s(topk), TopkWeights: Float32s(weights), IsTokenInRank: Bools(op.InRank),
 		RankPrefixMatrix: Int32s(op.RankPrefix), ChannelPrefixMatrix: Int32s(op.ChannelPrefix), NumWorstTokens: a.NumWorstTokens,
 		RecvX: Bytes(op.RecvX), RecvXScales: Bytes(op.RecvXScales), RecvSrcIdx: Int32s(op.RecvSrcIdx),
@@ -310,7 +315,7 @@ func (b *Buffer) dispatchOp(a DispatchArgs) (*DispatchOp, error) {
 	if ts.Err == nil {
 		T, H = x.Shape[0], x.Shape[1]
 	}
-	scales := ts.Get("x_scales", a.XScales, true, f32, T, -1)
+	scales := ts.GetStrided("x_scales", a.XScales, true, scaleTypes, T, -1)
 	topk := ts.Get("topk_idx", a.TopkIdx, true, i64, T, -1)
 	if topk.Valid {
 		K = topk.Shape[1]
@@ -322,7 +327,7 @@ func (b *Buffer) dispatchOp(a DispatchArgs) (*DispatchOp, error) {
 	recvX := ts.Own("recv_x", a.RecvX, false, x.DType, N, H)
 	var recvScales dlpack.Tensor
 	if scales.Valid {
-		recvScales = ts.Own("recv_x_scales", a.RecvXScales, false, dlpack.F32, N, scales.Shape[1])
+		recvScales = ts.Own("recv_x_scales", a.RecvXScales, false, scales.DType, N, scales.Shape[1])
 	}
 	srcIdx := ts.Own("recv_src_idx", a.RecvSrcIdx, true, dlpack.I32, N)
 	var recvTopk, recvWeights dlpack.Tensor
@@ -335,11 +340,46 @@ func (b *Buffer) dispatchOp(a DispatchArgs) (*DispatchOp, error) {
 	if ts.Err != nil {
 		return nil, ts.Err
 	}
+	var st, ss int64
+	if scales.Valid {
+		if x.DType.Size() != 1 {
+			return nil, Argf("x: elements of %d bytes (%v): with x_scales, expected 1-byte elements (FP8)", x.DType.Size(), x.DType)
+		}
+		var err error
+		if st, ss, err = scaleStrides(scales); err != nil {
+			return nil, err
+		}
+	}
 	return &DispatchOp{Config: a.Config, NumTokens: int(T), HiddenBytes: RowBytes(x), ScalesBytes: RowBytes(scales),
+		ScalesTokenStride: int(st), ScalesStride: int(ss),
 		NumTopk: int(K), NumExperts: a.NumExperts, NumWorstTokens: a.NumWorstTokens,
 		X: x, XScales: scales, TopkIdx: topk, TopkWeights: weights, InRank: ir, RankPrefix: rpm, ChannelPrefix: cpm,
 		RecvX: recvX, RecvXScales: recvScales, RecvSrcIdx: srcIdx, RecvTopkIdx: recvTopk,
 		RecvTopkWeights: recvWeights, RecvChannelPrefix: rcpm, SendHead: sendHead}, nil
+}
+
+// scaleStrides are the token and scale strides, in elements, of x_scales [T, S]: row-major, or
+// column-major as DeepGEMM makes FP8 scales for TMA (strides (1, T)), which DeepEP reads by
+// stride; the outer stride may be padded. The stride of a dimension of size 1 does not matter.
+func scaleStrides(t dlpack.Tensor) (tokenStride, scaleStride int64, err error) {
+	T, S := t.Shape[0], t.Shape[1]
+	if t.Strides == nil {
+		return S, 1, nil
+	}
+	st, ss := t.Strides[0], t.Strides[1]
+	if T == 1 {
+		st = 1
+	}
+	if S == 1 {
+		ss = 1
+	}
+	rowMajor := ss == 1 && st >= S
+	colMajor := st == 1 && ss >= T
+	if !rowMajor && !colMajor || max(st, ss) > math.MaxInt32 {
+		return 0, 0, Argf("x_scales: strides %v for shape %v: expected row-major (%d, 1) or column-major (1, %d) scales "+
+			"(the larger stride may be padded, up to %d)", t.Strides, t.Shape, S, T, math.MaxInt32)
+	}
+	return st, ss, nil
 }
 
 // CombineArgs are the tensors of a combine: X, TopkWeights and the biases as DLPack

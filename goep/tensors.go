@@ -45,9 +45,19 @@ func (ts *Tensors) Own(name string, data uintptr, optional bool, dtype dlpack.DT
 		DType: dtype, Shape: dims}
 }
 
-// Get parses the tensor at addr (0 = None; allowed only if optional) and checks its dtype
-// (any of dtypes) and shape (-1 matches any size).
+// Get parses the tensor at addr (0 = None; allowed only if optional), which must be dense and
+// row-major, and checks its dtype (any of dtypes; nil: any) and shape (-1 matches any size).
 func (ts *Tensors) Get(name string, addr uintptr, optional bool, dtypes []dlpack.DType, dims ...int64) dlpack.Tensor {
+	return ts.get(name, addr, optional, false, dtypes, dims)
+}
+
+// GetStrided is Get for a tensor whose strides the caller checks: its Strides are set where they
+// are not the dense row-major ones.
+func (ts *Tensors) GetStrided(name string, addr uintptr, optional bool, dtypes []dlpack.DType, dims ...int64) dlpack.Tensor {
+	return ts.get(name, addr, optional, true, dtypes, dims)
+}
+
+func (ts *Tensors) get(name string, addr uintptr, optional, strided bool, dtypes []dlpack.DType, dims []int64) dlpack.Tensor {
 	if ts.Err != nil {
 		return dlpack.Tensor{}
 	}
@@ -57,7 +67,11 @@ func (ts *Tensors) Get(name string, addr uintptr, optional bool, dtypes []dlpack
 		}
 		return dlpack.Tensor{}
 	}
-	t, err := dlpack.Parse(addr)
+	parse := dlpack.Parse
+	if strided {
+		parse = dlpack.ParseStrided
+	}
+	t, err := parse(addr)
 	if err != nil {
 		ts.Err = Argf("%s: %v", name, err)
 		return dlpack.Tensor{}
@@ -66,7 +80,7 @@ func (ts *Tensors) Get(name string, addr uintptr, optional bool, dtypes []dlpack
 		ts.Err = Argf("%s: tensor on device type %d, expected %d (every tensor on this buffer's device)", name, t.DeviceType, ts.DeviceType)
 		return dlpack.Tensor{}
 	}
-	ok := false
+	ok := dtypes == nil
 	for _, d := range dtypes {
 		ok = ok || t.DType == d
 	}
@@ -87,7 +101,8 @@ func (ts *Tensors) Get(name string, addr uintptr, optional bool, dtypes []dlpack
 	return t
 }
 
-// Views of a checked tensor's memory as Go slices; nil for an absent tensor.
+// Views of a checked tensor's memory as Go slices, over all it spans (see dlpack.Tensor.Span);
+// nil for an absent tensor.
 
 func Bytes(t dlpack.Tensor) []byte       { return slice[byte](t, int64(t.DType.Size())) }
 func Int32s(t dlpack.Tensor) []int32     { return slice[int32](t, 1) }
@@ -99,7 +114,7 @@ func slice[T any](t dlpack.Tensor, per int64) []T {
 	if !t.Valid {
 		return nil
 	}
-	n := t.Numel() * per
+	n := t.Span() * per
 	if n == 0 || t.Data == nil {
 		return []T{}
 	}

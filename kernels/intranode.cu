@@ -724,12 +724,15 @@ struct DispatchParams {
     u64 x, x_scales, topk, weights, in_rank, rank_prefix, channel_prefix;
     u64 recv_x, recv_scales, recv_src, recv_topk, recv_weights, recv_channel_prefix, send_head;
     u64 off_hidden, off_scales, off_src, off_topk, off_weights;  // slot field arrays, all rings
-    i32 num_tokens, num_experts, num_out_rows, pad;
+    i32 num_tokens, num_experts, num_out_rows;
+    // Scale j of token t is word t * scale_token_stride + j * scale_stride of x_scales: DeepEP's
+    // callers pass column-major scales (strides 1, num_tokens) as often as row-major ones.
+    i32 scale_token_stride, scale_stride, pad;
     // A speculative dispatch (launched behind its notify, into num_out_rows allocated rows):
     // that notify's seq, and the kernel runs only if the notify left it at kCtlGo. 0: runs.
     u64 go_seq;
 };
-static_assert(sizeof(DispatchParams) == 360, "DispatchParams layout is shared with the host");
+static_assert(sizeof(DispatchParams) == 368, "DispatchParams layout is shared with the host");
 
 // One warp copies token tok of x into slot gs (ring * slots + slot) of rank d's rings.
 PYEP_DEVICE void push_token(const DispatchParams& p, int d, i64 gs, i32 tok, int lane) {
@@ -745,8 +748,8 @@ PYEP_DEVICE void push_token(const DispatchParams& p, int d, i64 gs, i32 tok, int
                            lane);
     if (kScalesBytes > 0) {
         float* dst = reinterpret_cast<float*>(base + p.off_scales + gs * kScalesBytes);
-        const float* src = reinterpret_cast<const float*>(p.x_scales + static_cast<u64>(tok) * kScalesBytes);
-        for (int i = lane; i < kScalesBytes / 4; i += 32) dst[i] = ld_nc(src + i);
+        const float* src = reinterpret_cast<const float*>(p.x_scales) + static_cast<i64>(tok) * p.scale_token_stride;
+        for (int i = lane; i < kScalesBytes / 4; i += 32) dst[i] = ld_nc(src + static_cast<i64>(i) * p.scale_stride);
     }
     if (lane == 0) reinterpret_cast<i32*>(base + p.off_src)[gs] = tok;
     if (kTopk > 0) {

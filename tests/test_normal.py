@@ -258,8 +258,8 @@ def test_bad_input_raises_and_next_call_works(group, device):
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
 
-    with pytest.raises(ValueError, match=r"x: dtype torch.int32, expected"):
-        buffer.dispatch(x.int(), **layout)
+    with pytest.raises(ValueError, match=r"x\[0\]: dtype torch.int32, expected 1-byte elements with scales"):
+        buffer.dispatch((x.int(), torch.ones(32, 2, device=device)), **layout)
     with pytest.raises(ValueError, match=r"topk_weights: shape \[32, 3\], expected \[32, 8\]"):
         buffer.dispatch(x, **layout, topk_idx=topk, topk_weights=w[:, :3].contiguous())
     with pytest.raises(ValueError, match=r"is_token_in_rank: shape"):

@@ -137,6 +137,13 @@ func TestRDMAAndLowLatency(t *testing.T) {
 
 	_, err = goep.NewBuffer(goep.Params{Rank: 0, NumRanks: 1, NumNVLBytes: nvlBytes, NumRDMABytes: 4096}, cpu.Backend{})
 	assert.ErrorContains(t, err, "num_rdma_bytes = 4096: an RDMA buffer needs more than 8 ranks")
+
+	_, err = goep.NewBuffer(goep.Params{Rank: 0, NumRanks: 1, NumNVLBytes: nvlBytes, EnableShrink: true}, cpu.Backend{})
+	assert.ErrorContains(t, err, "enable_shrink=True: shrink mode masks ranks in low-latency mode; expected low_latency_mode=True")
+	assert.True(t, goep.IsArgument(err))
+	shrink, err := goep.NewBuffer(goep.Params{Rank: 0, NumRanks: 1, NumRDMABytes: 4096, LowLatencyMode: true, EnableShrink: true}, cpu.Backend{})
+	require.NoError(t, err)
+	require.NoError(t, shrink.Destroy())
 }
 
 func TestSegmentsArePrivate(t *testing.T) {

@@ -165,7 +165,8 @@ type dispatchParams struct {
 	RecvX, RecvScales, RecvSrc, RecvTopk, RecvWeights, RecvChannelPrefix uint64
 	SendHead                                                             uint64
 	OffHidden, OffScales, OffSrc, OffTopk, OffWeights                    uint64
-	NumTokens, NumExperts, NumOutRows, Pad                               int32
+	NumTokens, NumExperts, NumOutRows, ScaleTokenStride                  int32
+	ScaleStride, Pad                                                     int32
 	GoSeq                                                                uint64
 }
 
@@ -1060,6 +1061,11 @@ func (e *normalEngine) fillDispatch(st *bufferState, topo goep.Topology, peers [
 	p.RecvChannelPrefix, p.SendHead = ptr(a.RecvChannelPrefix), ptr(a.SendHead)
 	p.OffHidden, p.OffScales, p.OffSrc, p.OffTopk, p.OffWeights = uint64(off[0]), uint64(off[1]), uint64(off[2]), uint64(off[3]), uint64(off[4])
 	p.NumTokens, p.NumExperts, p.NumOutRows = int32(a.NumTokens), int32(a.NumExperts), int32(a.RecvX.Shape[0])
+	// Scales in words (goep checked that the strides fit); zero strides are dense rows.
+	p.ScaleTokenStride, p.ScaleStride = int32(a.ScalesTokenStride), int32(a.ScalesStride)
+	if p.ScaleTokenStride == 0 && p.ScaleStride == 0 {
+		p.ScaleTokenStride, p.ScaleStride = int32(a.ScalesBytes/4), 1
+	}
 	p.GoSeq = goSeq
 }
 

@@ -69,6 +69,7 @@ const (
 	Bfloat       = 4
 	Bool         = 6
 	Float8E4M3FN = 10
+	Float8E5M2   = 12
 )
 
 // DType is a DLPack element type.
@@ -85,6 +86,7 @@ var (
 	I64     = DType{Int, 64}
 	BoolT   = DType{Bool, 8}
 	FP8E4M3 = DType{Float8E4M3FN, 8}
+	FP8E5M2 = DType{Float8E5M2, 8}
 )
 
 // Size is the element size in bytes.
@@ -106,11 +108,13 @@ func (d DType) String() string {
 		return "bool"
 	case FP8E4M3:
 		return "float8_e4m3fn"
+	case FP8E5M2:
+		return "float8_e5m2"
 	}
 	return fmt.Sprintf("dlpack(code=%d, bits=%d)", d.Code, d.Bits)
 }
 
-// Tensor is a read view of a DLPack tensor that pyep requires to be dense and row-major.
+// Tensor is a read view of a DLPack tensor: dense and row-major, unless ParseStrided made it.
 type Tensor struct {
 	Valid      bool // false for an absent tensor (Data alone cannot tell: an empty tensor may have none)
 	Data       unsafe.Pointer
@@ -118,6 +122,8 @@ type Tensor struct {
 	DeviceID   int
 	DType      DType
 	Shape      []int64
+	// Strides in elements, only where they are not the dense row-major ones (nil: dense).
+	Strides []int64
 }
 
 // Numel is the number of elements.
@@ -129,9 +135,35 @@ func (t Tensor) Numel() int64 {
 	return n
 }
 
+// Span is the number of elements from Data to the tensor's last element, inclusive: what a
+// strided tensor's memory spans (Numel for a dense one, 0 for an empty one).
+func (t Tensor) Span() int64 {
+	if t.Strides == nil {
+		return t.Numel()
+	}
+	span := int64(1)
+	for i, s := range t.Shape {
+		if s == 0 {
+			return 0
+		}
+		span += (s - 1) * t.Strides[i]
+	}
+	return span
+}
+
 // Parse reads the DLManagedTensor at addr (the pointer inside a "dltensor" capsule) and checks
 // that it is dense and row-major. The tensor stays owned by the capsule.
 func Parse(addr uintptr) (Tensor, error) {
+	t, err := ParseStrided(addr)
+	if err == nil && t.Strides != nil {
+		return Tensor{}, fmt.Errorf("not contiguous (shape %v, strides %v): pass .contiguous()", t.Shape, t.Strides)
+	}
+	return t, err
+}
+
+// ParseStrided is Parse for a tensor whose strides the caller handles: the result's Strides are
+// set when they are not the dense row-major ones. Negative strides are refused.
+func ParseStrided(addr uintptr) (Tensor, error) {
 	if addr == 0 {
 		return Tensor{}, errors.New("null DLPack tensor")
 	}
@@ -149,8 +181,17 @@ func Parse(addr uintptr) (Tensor, error) {
 		DType:      DType{uint8(dl.dtype.code), uint8(dl.dtype.bits)},
 		Shape:      make([]int64, ndim),
 	}
-	if dl.dtype.lanes != 1 {
-		return Tensor{}, fmt.Errorf("vector element type with %d lanes", dl.dtype.lanes)
+	if lanes := int(dl.dtype.lanes); lanes != 1 {
+		// A packed type (float4_e2m1fn_x2 is 2 lanes of 4 bits) is one element of whole bytes: rows
+		// of it only move.
+		if bits := lanes * int(dl.dtype.bits); lanes > 1 && bits%8 == 0 && bits <= 255 {
+			t.DType.Bits = uint8(bits)
+		} else {
+			return Tensor{}, fmt.Errorf("vector element type with %d lanes of %d bits", lanes, dl.dtype.bits)
+		}
+	}
+	if t.DType.Bits == 0 || t.DType.Bits%8 != 0 {
+		return Tensor{}, fmt.Errorf("element type of %d bits (code %d): not whole bytes", t.DType.Bits, t.DType.Code)
 	}
 	if ndim > 0 {
 		shape := unsafe.Slice((*int64)(unsafe.Pointer(dl.shape)), ndim)
@@ -158,13 +199,17 @@ func Parse(addr uintptr) (Tensor, error) {
 	}
 	if dl.strides != nil && ndim > 0 {
 		strides := unsafe.Slice((*int64)(unsafe.Pointer(dl.strides)), ndim)
-		want := int64(1)
+		want, dense := int64(1), true
 		for i := ndim - 1; i >= 0; i-- {
-			// A dimension of size 1 may carry any stride.
-			if t.Shape[i] != 1 && strides[i] != want {
-				return Tensor{}, fmt.Errorf("not contiguous (shape %v, strides %v): pass .contiguous()", t.Shape, strides)
+			if strides[i] < 0 {
+				return Tensor{}, fmt.Errorf("negative strides %v (shape %v)", strides, t.Shape)
 			}
+			// A dimension of size 1 may carry any stride.
+			dense = dense && (t.Shape[i] == 1 || strides[i] == want)
 			want *= t.Shape[i]
+		}
+		if !dense && want != 0 {
+			t.Strides = append([]int64(nil), strides...)
 		}
 	}
 	return t, nil

@@ -20,9 +20,12 @@ type DispatchArgs struct {
 	ScalesBytes int // bytes per row of XScales, 0 without scales
 	NumTopk     int // K, 0 for a cached dispatch
 	NumExperts  int // E, needed when NumTopk > 0 (global -> local expert indices)
+	// Strided scales: scale j of token t is the 4-byte word t*ScalesTokenStride + j*ScalesStride
+	// of XScales (column-major ones are (1, T)). Both 0: rows of ScalesBytes, back to back.
+	ScalesTokenStride, ScalesStride int
 
 	X             []byte    // [T, HiddenBytes]
-	XScales       []byte    // [T, ScalesBytes] or nil
+	XScales       []byte    // [T, ScalesBytes], or the words strided scales span; nil without
 	TopkIdx       []int64   // [T, K] global expert indices, -1 for none
 	TopkWeights   []float32 // [T, K]
 	IsTokenInRank []bool    // [T, R]
@@ -222,6 +225,9 @@ func (a *DispatchArgs) validate(d *Domain) (numRecv, numOut int, err error) {
 		return 0, 0, bad("hidden_bytes = %d must be positive", a.HiddenBytes)
 	case a.ScalesBytes < 0:
 		return 0, 0, bad("scales_bytes = %d is negative", a.ScalesBytes)
+	case a.strided() && (a.ScalesBytes%4 != 0 || a.ScalesTokenStride < 0 || a.ScalesStride < 0):
+		return 0, 0, bad("strided scales (strides %d, %d) of %d bytes a token: expected 4-byte words and non-negative strides",
+			a.ScalesTokenStride, a.ScalesStride, a.ScalesBytes)
 	case K < 0 || K > 1024:
 		return 0, 0, bad("num_topk = %d is out of range [0, 1024]", K)
 	case K > 0 && (a.NumExperts <= 0 || a.NumExperts%R != 0):
@@ -249,7 +255,7 @@ func (a *DispatchArgs) validate(d *Domain) (numRecv, numOut int, err error) {
 	}
 	args := []arg{
 		{"x", len(a.X), T * a.HiddenBytes, false},
-		{"x_scales", len(a.XScales), T * a.ScalesBytes, a.ScalesBytes == 0},
+		{"x_scales", len(a.XScales), a.scalesSpan(), a.ScalesBytes == 0},
 		{"topk_idx", len(a.TopkIdx), T * K, K == 0},
 		{"topk_weights", len(a.TopkWeights), T * K, K == 0},
 		{"is_token_in_rank", len(a.IsTokenInRank), T * R, false},
@@ -279,6 +285,34 @@ func (a *DispatchArgs) validate(d *Domain) (numRecv, numOut int, err error) {
 		}
 	}
 	return numRecv, numOut, nil
+}
+
+func (a *DispatchArgs) strided() bool { return a.ScalesTokenStride != 0 || a.ScalesStride != 0 }
+
+// scalesSpan is the bytes of XScales: from the first token's first scale to the last one's last.
+func (a *DispatchArgs) scalesSpan() int {
+	if !a.strided() {
+		return a.NumTokens * a.ScalesBytes
+	}
+	if a.NumTokens == 0 || a.ScalesBytes == 0 {
+		return 0
+	}
+	return 4 * (1 + (a.NumTokens-1)*a.ScalesTokenStride + (a.ScalesBytes/4-1)*a.ScalesStride)
+}
+
+// copyScales copies token t's scales into a ring slot, as one row.
+func (a *DispatchArgs) copyScales(dst unsafe.Pointer, t int64) {
+	sb := int64(a.ScalesBytes)
+	if !a.strided() {
+		copy(unsafe.Slice((*byte)(dst), sb), a.XScales[t*sb:(t+1)*sb])
+		return
+	}
+	words := unsafe.Slice((*[4]byte)(dst), sb/4)
+	first := t * int64(a.ScalesTokenStride)
+	for j := range words {
+		at := 4 * (first + int64(j)*int64(a.ScalesStride))
+		words[j] = [4]byte(a.XScales[at : at+4])
+	}
 }
 
 // checkRankPrefix checks that a rank prefix matrix is cumulative (columns
@@ -383,8 +417,7 @@ func (s *dispatchSender) step() (bool, error) {
 				}
 				*(*int32)(unsafe.Add(base, lay.slotOff(dfSrc, st.ring, slot))) = int32(t)
 				if sb > 0 {
-					copy(unsafe.Slice((*byte)(unsafe.Add(base, lay.slotOff(dfScales, st.ring, slot))), sb),
-						a.XScales[int64(t)*sb:int64(t+1)*sb])
+					a.copyScales(unsafe.Add(base, lay.slotOff(dfScales, st.ring, slot)), int64(t))
 				}
 				copy(unsafe.Slice((*byte)(unsafe.Add(base, lay.slotOff(dfHidden, st.ring, slot))), hb),
 					a.X[int64(t)*hb:int64(t+1)*hb])

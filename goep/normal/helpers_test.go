@@ -77,6 +77,10 @@ type scenario struct {
 	tokens      []int // per rank
 	hiddenBytes int   // dispatch row bytes (also 2*hidden of the bf16 combine)
 	scalesBytes int
+	// The dispatch reads the scales column-major, the token stride 1 and the scale stride T plus
+	// this padding (DeepGEMM pads to 4 words), as DeepEP does; the reference stays row-major.
+	colScales   bool
+	colScalePad int
 	cfg         Config
 	align       int
 	worst       int
@@ -282,6 +286,22 @@ type dispatchOut struct {
 	sendHead           []int32
 }
 
+// columnMajor lays out row-major scales [T, S] of 4-byte words column-major, each column padded
+// by pad words (garbage there), and returns them with their token and scale strides.
+func columnMajor(rows []byte, T, S, pad int) (cols []byte, tokenStride, scaleStride int) {
+	ld := T + pad
+	cols = make([]byte, 4*max(0, (S-1)*ld+T))
+	for i := range cols {
+		cols[i] = 0xEE
+	}
+	for t := 0; t < T; t++ {
+		for j := 0; j < S; j++ {
+			copy(cols[4*(j*ld+t):4*(j*ld+t+1)], rows[4*(t*S+j):4*(t*S+j+1)])
+		}
+	}
+	return cols, 1, ld
+}
+
 // runDispatch runs layout, notify and dispatch on every rank.
 func runDispatch(s *sim, sc *scenario, in []rankInput) ([]dispatchOut, []error) {
 	R, C, K := sc.R, sc.cfg.NumChannels(), sc.K
@@ -318,8 +338,13 @@ func runDispatch(s *sim, sc *scenario, in []rankInput) ([]dispatchOut, []error) 
 		}
 		o.srcIdx, o.topk, o.weights = make([]int32, rows), make([]int64, rows*K), make([]float32, rows*K)
 		o.rcpm2, o.sendHead = make([]int32, R*C), make([]int32, T*R)
+		scales, st, ss := in[r].scales, 0, 0
+		if sc.colScales {
+			scales, st, ss = columnMajor(in[r].scales, T, sc.scalesBytes/4, sc.colScalePad)
+		}
 		return Dispatch(d, &DispatchArgs{Config: sc.cfg, NumTokens: T, HiddenBytes: sc.hiddenBytes, ScalesBytes: sc.scalesBytes,
-			NumTopk: K, NumExperts: sc.E, X: in[r].x, XScales: in[r].scales, TopkIdx: in[r].topk, TopkWeights: in[r].weights,
+			ScalesTokenStride: st, ScalesStride: ss,
+			NumTopk: K, NumExperts: sc.E, X: in[r].x, XScales: scales, TopkIdx: in[r].topk, TopkWeights: in[r].weights,
 			IsTokenInRank: o.inRank, RankPrefixMatrix: o.rpm, ChannelPrefixMatrix: o.cpm, NumWorstTokens: sc.worst,
 			RecvX: o.x, RecvXScales: o.scales, RecvSrcIdx: o.srcIdx, RecvTopkIdx: o.topk, RecvTopkWeights: o.weights,
 			RecvChannelPrefixMatrix: o.rcpm2, SendHead: o.sendHead})

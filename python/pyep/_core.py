@@ -41,6 +41,14 @@ class PyepError(RuntimeError):
     """An operation of the Go core failed (not a mistake in an argument)."""
 
 
+class NotAvailableError(PyepError, NotImplementedError):
+    """A DeepEP method that pyep has, with DeepEP's signature, but cannot run yet (low-latency mode, internode)."""
+
+
+def not_available(method: str, what: str) -> NotAvailableError:
+    return NotAvailableError(f"Buffer.{method}: {what} is not available in pyep yet")
+
+
 def _forked_child():
     global _owner_pid
     _owner_pid = -1

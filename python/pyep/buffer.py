@@ -1,9 +1,9 @@
 """Buffer: DeepEP V1's expert-parallel communication buffer, over pyep's Go core."""
 import atexit
 import contextlib
-import ctypes
-import functools
+import operator
 import os
+import socket
 import weakref
 from typing import List, Optional, Tuple, Union
 
@@ -11,76 +11,20 @@ import torch
 import torch.distributed as dist
 
 from . import _core
+from ._internode import InternodeMixin
+from ._low_latency import LowLatencyMixin
+from ._runtime import _Runtime, _backend_for
+from ._tensors import _DLPack, _Packed, _addr, _check_int, _check_scales, _check_tensor, _shaped
 from .config import Config
 from .tuning import load_tuned
 from .utils import EventHandle, EventOverlap
 
-# The dtype of expert indices that every API takes (DeepEP's deep_ep.topk_idx_t).
+# The dtype of expert indices that every API takes: DeepEP's default build (TOPK_IDX_BITS=64) has it, and no kernel
+# of pyep's has an int32 variant for builds with TOPK_IDX_BITS=32.
 topk_idx_t = torch.int64
+_TOPK_HINT = " (pyep.topk_idx_t, as DeepEP's default build; convert with .to(pyep.topk_idx_t))"
 
-# The capsule name must outlive every capsule made with it, hence a module constant.
-_DLTENSOR = b"dltensor"
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-
-# DLPack (type code, bits) of a byte, the element of every view the core hands out.
-_DL_UINT8 = (1, 8)
-
-
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-
-
-class _DLPack:
-    """Hands tensors to the core as DLPack addresses; keeps their capsules alive until the call returns."""
-
-    __slots__ = ("capsules",)
-
-    def __init__(self) -> None:
-        self.capsules = []
-
-    def __call__(self, tensor: Optional[torch.Tensor]) -> int:
-        if tensor is None:
-            return 0
-        capsule = torch.utils.dlpack.to_dlpack(tensor)
-        self.capsules.append(capsule)
-        return _capsule_pointer(capsule, _DLTENSOR)
-
-
-def _check_tensor(name: str, t: object, dtypes: Tuple[torch.dtype, ...], dims: Tuple[Optional[int], ...],
-                  device: torch.device) -> torch.Tensor:
-    """Raises TypeError/ValueError naming `name` unless t is a contiguous tensor of one of `dtypes`, shaped
-    `dims` (None: any size), on `device`."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: dtype {t.dtype}, expected " + " or ".join(map(str, dtypes)))
-    shape = t.shape
-    bad = len(shape) != len(dims)
-    if not bad:
-        for s, d in zip(shape, dims):  # a loop, not any(): this runs on every call
-            if d is not None and s != d:
-                bad = True
-                break
-    if bad:
-        expected = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
-        raise ValueError(f"{name}: shape {list(shape)}, expected {expected}")
-    if t.device != device:
-        raise ValueError(f"{name}: on {t.device}, expected {device} (the buffer's device)")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: not contiguous; pass {name}.contiguous()")
-    return t
-
-
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} = {value!r}: expected an int >= {low}")
-    return value
-
-
-# Token rows a dispatch moves (BF16 is DeepEP's; the others move as bytes too) and rows combine sums.
+# Rows that combine sums (BF16 is DeepEP's); dispatch moves rows of any dtype, as bytes.
 _ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _QUEUED_DISPATCH = os.environ.get("PYEP_QUEUED_DISPATCH", "1") != "0"
 
@@ -88,160 +32,6 @@ _QUEUED_DISPATCH = os.environ.get("PYEP_QUEUED_DISPATCH", "1") != "0"
 # The stream order flags of the core's normal-mode calls (orderBefore, orderAfter in pyep/cuda.go).
 _ORDER_BEFORE, _ORDER_AFTER = 1, 2
 
-
-def _addr(t: Optional[torch.Tensor]) -> int:
-    """The data address that the core takes for a tensor pyep allocated (0 for None)."""
-    return 0 if t is None else t.data_ptr()
-
-
-@functools.lru_cache(maxsize=256)
-def _packing(specs: tuple) -> Tuple[Tuple[int, ...], int]:
-    """The byte offsets of tensors ((dtype, shape), ...) packed into one allocation, each on a 256-byte boundary,
-    and the allocation's bytes."""
-    offsets, end = [], 0
-    for dtype, shape in specs:
-        offsets.append(end)
-        n = _element_size(dtype)
-        for s in shape:
-            n *= s
-        end += (n + 255) // 256 * 256
-    return tuple(offsets), max(end, 256)
-
-
-class _Packed:
-    """A call's small output tensors in one allocation: one torch.empty (~3 µs each) instead of one apiece. The core
-    takes their addresses (`addr`); Python makes their views (`view`) once it has returned."""
-
-    __slots__ = ("block", "base", "specs", "offsets", "typed")
-
-    def __init__(self, specs: tuple, device: torch.device) -> None:
-        self.specs = specs
-        self.offsets, size = _packing(specs)
-        self.block = torch.empty(size, dtype=torch.uint8, device=device)
-        self.base = self.block.data_ptr()
-        self.typed = {}
-
-    def addr(self, i: int) -> int:
-        return self.base + self.offsets[i]
-
-    def view(self, i: int, rows: Optional[int] = None) -> torch.Tensor:
-        """Tensor i (one or two dimensions), or its first `rows` rows."""
-        dtype, shape = self.specs[i]
-        if rows is not None:
-            shape = (rows,) + shape[1:]
-        typed = self.typed.get(dtype)
-        if typed is None:
-            typed = self.typed[dtype] = self.block.view(dtype)
-        stride = (shape[1], 1) if len(shape) == 2 else (1,)
-        return typed.as_strided(shape, stride, self.offsets[i] // typed.element_size())
-
-
-def _bytes_view(addr: int) -> torch.Tensor:
-    """Wraps a DLManagedTensor made by the core; torch frees it with the tensor."""
-    return torch.utils.dlpack.from_dlpack(_capsule_new(addr, _DLTENSOR, None))
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-    return dtype.itemsize
-
-
-def _typed_view(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reinterprets a byte view as whole elements of dtype."""
-    elem = _element_size(dtype)
-    return raw[: raw.numel() // elem * elem].view(dtype)
-
-
-def _shaped(tensor: torch.Tensor, size: Optional[torch.Size]) -> torch.Tensor:
-    if size is None:
-        return tensor
-    size = torch.Size(size)
-    if size.numel() > tensor.numel():
-        raise ValueError(f"size = {tuple(size)}: needs {size.numel()} elements, the buffer holds {tensor.numel()} "
-                         f"of {tensor.dtype} from this offset")
-    return tensor[: size.numel()].view(size)
-
-
-def _cuda_backend() -> str:
-    """The cuda backend on PyTorch's current device (the Go core takes the ordinal)."""
-    return f"cuda:{torch.cuda.current_device()}"
-
-
-def _backend_for(group: Optional[dist.ProcessGroup]) -> str:
-    """cuda (as "cuda:<current device>") for NCCL groups on a machine with GPUs, cpu (shared
-    memory) otherwise; PYEP_BACKEND=cpu|cuda overrides."""
-    forced = os.environ.get("PYEP_BACKEND")
-    if forced:
-        return _cuda_backend() if forced == "cuda" else forced
-    if group is None:
-        return _cuda_backend() if torch.cuda.is_available() else "cpu"
-    name = str(dist.get_backend(group)).lower()
-    return _cuda_backend() if "nccl" in name and torch.cuda.is_available() else "cpu"
-
-
-class _Runtime:
-    """The core's side of one Buffer, with the method names of DeepEP's `deep_ep_cpp.Buffer`."""
-
-    def __init__(self, backend: str, rank: int, num_ranks: int, num_nvl_bytes: int, num_rdma_bytes: int,
-                 low_latency_mode: bool, explicitly_destroy: bool, enable_shrink: bool, use_fabric: bool) -> None:
-        if backend == "cuda":
-            backend = _cuda_backend()
-        # "cpu" or "cuda"; the device is get_local_device_id().
-        self.backend = backend.partition(":")[0]
-        self.id = _core.call("NewBuffer", backend, rank, num_ranks, num_nvl_bytes, num_rdma_bytes,
-                             low_latency_mode, explicitly_destroy, enable_shrink, use_fabric)
-        (self._device_id, self.rank, self.num_ranks, self._rdma_rank, self._num_rdma_ranks,
-         self._nvl_rank, self._num_nvl_ranks) = map(int, _core.call("BufferInfo", self.id).split())
-        self.destroyed = False
-
-    def get_local_device_id(self) -> int:
-        return self._device_id
-
-    def get_num_rdma_ranks(self) -> int:
-        return self._num_rdma_ranks
-
-    def get_rdma_rank(self) -> int:
-        return self._rdma_rank
-
-    def get_root_rdma_rank(self, global_: bool) -> int:
-        return self._nvl_rank if global_ else 0
-
-    def get_local_ipc_handle(self) -> bytes:
-        return bytes.fromhex(_core.call("BufferLocalIPCHandle", self.id))
-
-    def get_local_nvshmem_unique_id(self) -> bytes:
-        return bytes.fromhex(_core.call("BufferLocalNVSHMEMUniqueID", self.id))
-
-    def sync(self, device_ids: List[int], all_gathered_handles: List[Optional[bytes]],
-             root_unique_id_opt: Optional[bytes] = None) -> None:
-        for name, values in (("device_ids", device_ids), ("ipc_handles", all_gathered_handles)):
-            if not isinstance(values, (list, tuple)):
-                raise TypeError(f"{name} must be a list, got {type(values).__name__}")
-        handles = []
-        for i, h in enumerate(all_gathered_handles):
-            if h is not None and not isinstance(h, (bytes, bytearray)):
-                raise TypeError(f"ipc_handles[{i}] must be bytes or None, got {type(h).__name__}")
-            handles.append(bytes(h).hex() if h else "-")
-        _core.call("BufferSync", self.id, " ".join(str(int(d)) for d in device_ids), " ".join(handles),
-                   bytes(root_unique_id_opt).hex() if root_unique_id_opt else "")
-
-    def is_available(self) -> bool:
-        return not self.destroyed and _core.call("BufferIsAvailable", self.id)
-
-    def destroy(self) -> None:
-        if not self.destroyed:
-            self.destroyed = True
-            if _core.usable():
-                _core.call("BufferDestroy", self.id)
-
-    def get_local_buffer_tensor(self, dtype: torch.dtype, offset: int = 0, use_rdma_buffer: bool = False,
-                                nvl_rank: int = -1) -> torch.Tensor:
-        if offset % _element_size(dtype):
-            raise ValueError(f"offset = {offset}: expected a multiple of the {dtype} element size, "
-                             f"{_element_size(dtype)} bytes")
-        raw = _bytes_view(_core.call("BufferView", self.id, nvl_rank, use_rdma_buffer, *_DL_UINT8, offset))
-        return _typed_view(raw, dtype)
 
 
 # Buffers not yet released, destroyed at interpreter exit so no shared memory outlives it.
@@ -257,7 +47,36 @@ def _release_all() -> None:
         buffer._release()
 
 
-class Buffer:
+def _as_int(name: str, value: object) -> int:
+    """An int argument; like DeepEP's binding, anything with __index__ (numpy integers) is one, bool is not."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _as_flag(name: str, value: object) -> bool:
+    """A bool argument: bool, numpy's bool, or the ints 0 and 1."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if isinstance(value, bool) or numpy_bool or isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _host() -> Tuple[Optional[str], str]:
+    """What says that two processes run on one machine (one kernel): the boot id, which containers on a host share,
+    and the host name where the boot id cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = None
+    return boot, socket.gethostname()
+
+
+class Buffer(LowLatencyMixin, InternodeMixin):
     """
     The expert-parallel (EP) communication buffers of a Mixture-of-Experts model, DeepEP V1's API:
         - normal (high-throughput) intranode dispatch and combine over NVLink (cuda) or shared memory (cpu);
@@ -275,6 +94,10 @@ class Buffer:
         num_rdma_bytes: the buffer size for internode (and low-latency) RDMA communication.
         low_latency_mode: whether low-latency mode is enabled.
         runtime: the Go core's side, with the method names of DeepEP's C++ runtime.
+        explicitly_destroy, enable_shrink: the constructor's flags.
+
+    Low-latency mode (`low_latency_dispatch`, ...) and internode normal mode (`internode_dispatch`, ...) have
+    DeepEP's methods and signatures, and raise `pyep.NotAvailableError` until pyep implements them.
     """
 
     num_sms: int = 20
@@ -290,33 +113,48 @@ class Buffer:
 
         Arguments:
             group: the communication group (a torch.distributed ProcessGroup), or None with `comm`.
+            num_nvl_bytes, num_rdma_bytes, num_qps_per_rank: ints (or anything with `__index__`, e.g. numpy integers).
             num_nvl_bytes: bytes of the intranode buffer, a multiple of 128 (see `Config.get_nvl_buffer_size_hint`).
             num_rdma_bytes: bytes of the RDMA buffer, a multiple of 128; needs more than 8 ranks or low-latency mode.
-            low_latency_mode: whether to enable low-latency mode.
+            low_latency_mode: whether to enable low-latency mode (its methods are not available yet).
             num_qps_per_rank: RDMA queue pairs per rank (NVSHMEM/IBGDA), positive.
-            allow_nvlink_for_low_latency_mode: whether low-latency traffic may use NVLink.
-            allow_mnnvl: whether multi-node NVLink may be used.
+            allow_nvlink_for_low_latency_mode: whether low-latency traffic may use NVLink (kept for low-latency mode).
+            allow_mnnvl: whether an NVLink domain (up to 8 ranks) may span hosts (multi-node NVLink). pyep does not
+                have MNNVL yet: with True, a group whose NVLink domain spans hosts raises `pyep.NotAvailableError`
+                naming `allow_mnnvl`; one on a single host needs nothing from it.
             use_fabric: on cuda, whether the intranode buffer is cuMem memory shared through a fabric handle (where the
                 GPU, the driver and an IMEX channel allow) or else, saying why once on stderr, through a POSIX file
                 descriptor passed over a Unix socket, instead of CUDA IPC; PYEP_MEM_HANDLE=auto|fabric|fd, read when the
                 buffer is made, forces the kind. Either way within one node. The cpu backend ignores it.
             explicitly_destroy: if set, `destroy()` must be called to release resources; otherwise they are released
                 when the buffer is collected (and at interpreter exit).
-            enable_shrink: whether to allow shrinking the group after a rank fails (low-latency mode).
-            comm: an mpi4py communicator to use instead of `group` for the setup exchanges.
+            enable_shrink: whether ranks may be masked out after a failure; needs `low_latency_mode=True` (ValueError
+                otherwise).
+            comm: an mpi4py communicator to use instead of `group` for the setup exchanges (then `group` is `comm`).
         """
-        if group is None and comm is None:
-            raise ValueError("group: expected a torch.distributed ProcessGroup (or pass comm=, an mpi4py communicator)")
-        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
-                            ("num_qps_per_rank", num_qps_per_rank)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        self.group = group
-        self.comm = comm
+        num_nvl_bytes, num_rdma_bytes, num_qps_per_rank = (_as_int(n, v) for n, v in (
+            ("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes), ("num_qps_per_rank", num_qps_per_rank)))
+        low_latency_mode, allow_nvlink, allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink = (
+            _as_flag(n, v) for n, v in (("low_latency_mode", low_latency_mode),
+                                        ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
+                                        ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
+                                        ("explicitly_destroy", explicitly_destroy), ("enable_shrink", enable_shrink)))
+        # For low-latency mode, once pyep has it.
+        self._allow_nvlink_for_low_latency_mode, self._num_qps_per_rank = allow_nvlink, num_qps_per_rank
         if group is not None:
+            if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
+                raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
             self.rank, self.group_size = group.rank(), group.size()
-        else:
+        elif comm is not None:
+            if not all(callable(getattr(comm, m, None)) for m in ("Get_rank", "Get_size", "allgather")):
+                raise TypeError("comm must be an mpi4py communicator (Get_rank, Get_size, allgather), "
+                                f"got {type(comm).__name__}")
             self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
+        else:
+            raise ValueError("group: expected a torch.distributed ProcessGroup (or pass comm=, an mpi4py communicator)")
+        # As DeepEP's: the group, or the communicator when there is none.
+        self.group = group if group is not None else comm
+        self._comm = comm if group is None else None
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -328,7 +166,10 @@ class Buffer:
                                 low_latency_mode, explicitly_destroy, enable_shrink, use_fabric)
         _live.add(self)
         try:
-            device_ids = self._all_gather(self.runtime.get_local_device_id())
+            peers = self._all_gather((self.runtime.get_local_device_id(), _host()))
+            if num_nvl_bytes > 0:
+                self._check_hosts([host for _, host in peers], allow_mnnvl)
+            device_ids = [device_id for device_id, _ in peers]
             ipc_handles = self._all_gather(self.runtime.get_local_ipc_handle() if num_nvl_bytes > 0 else None)
             root_unique_id = None
             if self.runtime.get_num_rdma_ranks() > 1 or low_latency_mode:
@@ -355,9 +196,26 @@ class Buffer:
             raise
         assert self.runtime.is_available()
 
+    def _check_hosts(self, hosts: list, allow_mnnvl: bool) -> None:
+        """Raises, on every rank alike, if an NVLink domain spans machines: pyep shares a domain's buffers within one
+        machine (shared memory, CUDA IPC, or use_fabric's handles, which it opens on one node only)."""
+        by_boot = all(boot is not None for boot, _ in hosts)
+        n = self.runtime._num_nvl_ranks
+        for first in range(0, len(hosts), n):
+            domain = hosts[first:first + n]
+            machines = {boot if by_boot else name for boot, name in domain}
+            if len(machines) == 1:
+                continue
+            names = ", ".join(sorted({name for _, name in domain}))
+            where = (f"ranks {first}-{first + len(domain) - 1}, one NVLink domain, run on {len(machines)} machines "
+                     f"({names})")
+            if allow_mnnvl:
+                raise _core.not_available("__init__", f"allow_mnnvl=True: {where}: multi-node NVLink (MNNVL)")
+            raise _core.PyepError(f"Buffer: {where}; pyep needs the ranks of an NVLink domain (up to 8) on one machine")
+
     def _all_gather(self, obj: object) -> list:
-        if self.group is None:
-            return list(self.comm.allgather(obj))
+        if self._comm is not None:
+            return list(self._comm.allgather(obj))
         gathered = [None] * self.group_size
         dist.all_gather_object(gathered, obj, self.group)
         return gathered
@@ -390,6 +248,18 @@ class Buffer:
             raise RuntimeError("destroy(): the buffer was made without explicitly_destroy=True; it is released "
                                "when collected")
         self._release()
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """
+        Whether the FP8 paths exist, which DeepEP has only when it was compiled for SM90. pyep compiles its kernels at
+        run time (NVRTC) for the GPU it runs on, and the cpu backend moves FP8 rows as bytes: FP8 dispatch is
+        available wherever this PyTorch has `torch.float8_e4m3fn`.
+
+        Returns:
+            compiled: True where `torch.float8_e4m3fn` exists.
+        """
+        return hasattr(torch, "float8_e4m3fn")
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -579,7 +449,7 @@ class Buffer:
         return handle
 
     def _check_handle(self, handle: object, length: int) -> tuple:
-        if not isinstance(handle, tuple) or len(handle) != length:
+        if not isinstance(handle, (tuple, list)) or len(handle) != length:
             raise ValueError(f"handle: expected the {length}-tuple returned by this buffer's dispatch")
         if getattr(handle[0], "_pyep_handle", None) != self._handle_tag(handle):
             raise ValueError("handle: not returned by a dispatch of this buffer (a handle of another buffer?)")
@@ -593,7 +463,8 @@ class Buffer:
         Calculates the layout a dispatch needs from each token's experts.
 
         Arguments:
-            topk_idx: `[num_tokens, num_topk]` with `pyep.topk_idx_t` (`torch.int64`), the expert of each of a token's
+            topk_idx: `[num_tokens, num_topk]` with `pyep.topk_idx_t` (`torch.int64`, as in DeepEP's default build; int32
+                raises ValueError), the expert of each of a token's
                 top-k choices, `-1` for none; experts are split evenly, rank r holding
                 `[r * num_experts / num_ranks, (r + 1) * num_experts / num_ranks)`. An index out of range raises
                 ValueError here on the cpu backend; on cuda (which does not wait for the GPU) the next dispatch
@@ -612,7 +483,7 @@ class Buffer:
             event: the event of the computation (set when `async_finish`).
         """
         device = self._device()
-        _check_tensor("topk_idx", topk_idx, (topk_idx_t,), (None, None), device)
+        _check_tensor("topk_idx", topk_idx, (topk_idx_t,), (None, None), device, _TOPK_HINT)
         _check_int("num_experts", num_experts, 1)
         if num_experts % self.group_size:
             raise ValueError(f"num_experts = {num_experts}: expected a multiple of num_ranks = {self.group_size}")
@@ -645,13 +516,16 @@ class Buffer:
         source rank, then by the source's token index.
 
         Arguments:
-            x: `[num_tokens, hidden]` with `torch.bfloat16` (on the cpu backend also `torch.float16`/`torch.float32`),
-                or a tuple of `[num_tokens, hidden]` with `torch.float8_e4m3fn` and its scales `[num_tokens, hidden // 128]`
-                with `torch.float`.
+            x: `[num_tokens, hidden]` with `torch.bfloat16` (rows move as bytes: any dtype works, as in DeepEP), or a
+                tuple of `[num_tokens, hidden]` with `torch.float8_e4m3fn` (or another 1-byte dtype) and its scales
+                `[num_tokens, hidden // 128]` with `torch.float` (or `torch.int`, packed UE8M0), row-major or column-major
+                (strides `(1, num_tokens)`, as `scales.T.contiguous().T` and DeepGEMM's TMA-aligned scales, whose larger
+                stride may be padded).
             handle: the handle of an earlier dispatch to reuse its layout (cached mode: the same tokens go to the same
-                ranks; the top-k arguments and the layout tensors must be None).
+                ranks; the top-k arguments must be None, the layout tensors are ignored); the tuple (or a list of it).
             num_tokens_per_rank: `[num_ranks]` with `torch.int`, from `get_dispatch_layout`.
-            num_tokens_per_rdma_rank: `[num_rdma_ranks]` with `torch.int`, None within one node.
+            num_tokens_per_rdma_rank: `[num_rdma_ranks]` with `torch.int` across NVLink domains; ignored within one, as
+                by DeepEP (`get_dispatch_layout` returns None there).
             is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, from `get_dispatch_layout`.
             num_tokens_per_expert: `[num_experts]` with `torch.int`, from `get_dispatch_layout`.
             topk_idx: `[num_tokens, num_topk]` with `pyep.topk_idx_t`, the experts of each token (-1 for none), or None.
@@ -668,7 +542,8 @@ class Buffer:
 
         Returns:
             recv_x: the received tokens, the same type (tensor or tuple) as `x`, `[num_recv_tokens, hidden]` (on cuda
-                a view of rows allocated for the most this rank could receive; see the README, PYEP_QUEUED_DISPATCH).
+                a view of rows allocated for the most this rank could receive; see the README, PYEP_QUEUED_DISPATCH);
+                received scales are row-major `[num_recv_tokens, hidden // 128]` of the scales' dtype, as DeepEP's.
             recv_topk_idx: `[num_recv_tokens, num_topk]` with `pyep.topk_idx_t`: the local expert index on this rank,
                 -1 for experts elsewhere (None in cached mode or without topk_idx).
             recv_topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, 0 where the index is -1 (None likewise).
@@ -685,13 +560,19 @@ class Buffer:
         config = self._config(config, self.get_dispatch_config)
         device = self._device()
         if self._multi_domain():
-            raise _core.PyepError(f"dispatch across NVLink domains ({self.group_size} ranks) is not available yet")
+            return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, config,
+                                           previous_event, async_finish, allocate_on_comm_stream)
+        if isinstance(x, tuple) and len(x) != 2:
+            raise ValueError(f"x: a tuple of {len(x)}, expected a tensor or the pair (x, x_scales)")
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         if x_scales is None:
-            _check_tensor("x", x, _ROW_DTYPES, (None, None), device)
+            _check_tensor("x", x, None, (None, None), device)
         else:
-            _check_tensor("x[0]", x, (torch.float8_e4m3fn,), (None, None), device)
-            _check_tensor("x[1]", x_scales, (torch.float32,), (x.size(0), None), device)
+            _check_tensor("x[0]", x, None, (None, None), device)
+            if x.element_size() != 1:
+                raise ValueError(f"x[0]: dtype {x.dtype}, expected 1-byte elements with scales (torch.float8_e4m3fn)")
+            _check_scales("x[1]", x_scales, x.size(0), device)
         num_tokens, R = x.size(0), self.group_size
         _check_int("expert_alignment", expert_alignment, 1)
         _check_int("num_worst_tokens", num_worst_tokens, 0)
@@ -713,7 +594,7 @@ class Buffer:
             rows = recv_src_idx.size(0)
             with self._allocating(streams):
                 recv_x = torch.empty((rows, x.size(1)), dtype=x.dtype, device=device)
-                recv_scales = None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=device)
+                recv_scales = None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=x_scales.dtype, device=device)
             _core.call("Dispatch", rid, *fields, 0, rows, rows, dl(x), dl(x_scales), 0, 0, dl(is_token_in_rank),
                        rank_prefix.data_ptr(), channel_prefix.data_ptr(), recv_x.data_ptr(), _addr(recv_scales),
                        0, 0, 0, 0, 0, stream, order)
@@ -735,10 +616,10 @@ class Buffer:
             raise ValueError("topk_idx, topk_weights: pass both or neither")
         K = 0
         if topk_idx is not None:
-            _check_tensor("topk_idx", topk_idx, (topk_idx_t,), (num_tokens, None), device)
+            _check_tensor("topk_idx", topk_idx, (topk_idx_t,), (num_tokens, None), device, _TOPK_HINT)
             _check_tensor("topk_weights", topk_weights, (torch.float32,), (num_tokens, topk_idx.size(1)), device)
             K = topk_idx.size(1)
-        S = 0 if x_scales is None else x_scales.size(1)
+        S, sdt = (0, torch.float32) if x_scales is None else (x_scales.size(1), x_scales.dtype)
 
         # The handle's tensors and num_recv_tokens_per_expert (0-4), then the received rows' small tensors (5-8:
         # recv_src_idx, recv_x_scales, recv_topk_idx, recv_topk_weights) in one allocation, recv_x in its own.
@@ -749,7 +630,7 @@ class Buffer:
             """recv_x and the packed tensors specs + the received rows' (these from index len(specs))."""
             with self._allocating(streams):
                 return (torch.empty((rows, x.size(1)), dtype=x.dtype, device=device),
-                        _Packed(specs + ((i32, (rows,)), (f32, (rows, S)), (topk_idx_t, (rows, K)), (f32, (rows, K))), device))
+                        _Packed(specs + ((i32, (rows,)), (sdt, (rows, S)), (topk_idx_t, (rows, K)), (f32, (rows, K))), device))
 
         def dispatch(p, at, recv_x, rows):
             """The data phase into rows received rows, after a DispatchNotify."""
@@ -820,7 +701,7 @@ class Buffer:
         Arguments:
             x: `[num_recv_tokens, hidden]` with `torch.bfloat16` (on the cpu backend also `torch.float16`/`torch.float32`),
                 the rows received by the dispatch, in its order (padding rows of num_worst_tokens are ignored).
-            handle: the handle returned by the dispatch.
+            handle: the handle returned by the dispatch (the tuple, or a list of it).
             topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, weights to reduce alongside, or None.
             bias: None, one or a pair of `[num_tokens, hidden]` tensors of x's dtype, added to every combined token.
             config: the performance config; when None, `get_combine_config(num_ranks)` with the dispatch's `num_sms`.
@@ -836,6 +717,9 @@ class Buffer:
                 topk_weights).
             event: the event of the combine (set when `async_finish`).
         """
+        if self._multi_domain():
+            return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                          allocate_on_comm_stream)
         rank_prefix, _, recv_channel_prefix, src_idx, _, send_head = self._check_handle(handle, 6)
         if config is None:
             # Combine runs on the dispatch's channels: the recommended config with the handle's SM count.

@@ -120,6 +120,32 @@ func (e *rankEnv) upload(t *testing.T, dt dlpack.DType, data []byte, shape ...in
 
 func none() dev { return dev{} }
 
+// columnMajor uploads row-major float32 rows [T, S] column-major, each column padded by pad
+// words of garbage (strides (1, T + pad)).
+func (e *rankEnv) columnMajor(t *testing.T, rows []float32, T, S, pad int) dev {
+	ld := T + pad
+	cols := make([]float32, max(0, (S-1)*ld+T))
+	for i := range cols {
+		cols[i] = -7
+	}
+	for tok := 0; tok < T; tok++ {
+		for j := 0; j < S; j++ {
+			cols[j*ld+tok] = rows[tok*S+j]
+		}
+	}
+	d := e.upload(t, dlpack.F32, bytesOf(cols), int64(len(cols)))
+	d.t.Shape, d.t.Strides = []int64{int64(T), int64(S)}, []int64{1, int64(ld)}
+	return d
+}
+
+// scaleStrides are the strides of x_scales for a DispatchOp, in words (0, 0: dense rows).
+func (c rcase) scaleStrides(T int) (int, int) {
+	if !c.colScales {
+		return 0, 0
+	}
+	return 1, T + c.scalePad
+}
+
 func i32s(b []byte) []int32 {
 	if len(b) == 0 {
 		return []int32{}
@@ -200,6 +226,11 @@ type rcase struct {
 	combineDT  dlpack.DType // of combine's rows (bf16 for FP8)
 	tokensPer  func(r int) int
 	silent     int // 0, or 1 + a rank whose tokens go nowhere
+
+	// colScales: the kernel reads the scales column-major, each column padded by scalePad words
+	// (DeepEP's callers pass them so); the reference reads them row-major.
+	colScales bool
+	scalePad  int
 }
 
 func cfg(sms, send, recv int) goep.Config {
@@ -302,6 +333,9 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 		d.dX = e.upload(t, c.dtype, d.x, T, int64(c.hidden))
 		if c.scales > 0 {
 			d.dSc = e.upload(t, dlpack.F32, bytesOf(d.scales), T, int64(c.scales))
+			if c.colScales {
+				d.dSc = e.columnMajor(t, d.scales, d.T, c.scales, c.scalePad)
+			}
 		}
 		d.perRank = e.alloc(t, dlpack.I32, int64(R))
 		d.perExpert = e.alloc(t, dlpack.I32, int64(E))
@@ -503,8 +537,10 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 	}
 	noErrors(t, each(R, func(r int) error {
 		d := rd[r]
+		st, ss := c.scaleStrides(d.T)
 		return envs[r].be.Dispatch(topo[r], peers[r], &goep.DispatchOp{Config: c.cfg, NumTokens: d.T, HiddenBytes: rowBytes,
-			ScalesBytes: c.scales * 4, NumTopk: K, NumExperts: E, NumWorstTokens: worst, X: d.dX.t, XScales: d.dSc.t,
+			ScalesBytes: c.scales * 4, ScalesTokenStride: st, ScalesStride: ss, NumTopk: K, NumExperts: E, NumWorstTokens: worst,
+			X: d.dX.t, XScales: d.dSc.t,
 			TopkIdx: d.dTopk.t, TopkWeights: d.dW.t, InRank: d.inRank.t, RankPrefix: d.rankPrefix.t, ChannelPrefix: d.channelPrefix.t,
 			RecvX: d.recvX.t, RecvXScales: d.recvSc.t, RecvSrcIdx: d.recvSrc.t, RecvTopkIdx: d.recvTopk.t,
 			RecvTopkWeights: d.recvW.t, SendHead: d.sendH.t})
@@ -585,6 +621,8 @@ func TestEmulatedRoundTrip(t *testing.T) {
 			tokensPer: func(r int) int { return []int{50, 0}[r] }},
 		{name: "fp8_R2", R: 2, T: 40, E: 8, K: 4, hidden: 256, dtype: dlpack.FP8E4M3, scales: 2, cfg: cfg(4, 2, 8), align: 1,
 			combineDT: bf16, bias: 0},
+		{name: "fp8_R2_column_major_scales", R: 2, T: 37, E: 8, K: 4, hidden: 256, dtype: dlpack.FP8E4M3, scales: 2,
+			colScales: true, scalePad: 3, cfg: cfg(4, 2, 8), align: 1, combineDT: bf16},
 		{name: "odd_hidden_R2", R: 2, T: 45, E: 4, K: 3, hidden: 99, dtype: bf16, cfg: cfg(4, 3, 10), align: 1, bias: 1},
 		{name: "f32_R2", R: 2, T: 30, E: 6, K: 4, hidden: 64, dtype: dlpack.F32, cfg: cfg(2, 2, 5), align: 1, bias: 2},
 		{name: "bf16_R3_silent", R: 3, T: 50, E: 9, K: 4, hidden: 256, dtype: bf16, cfg: cfg(4, 2, 8), align: 1, bias: 1, silent: 2},
@@ -811,7 +849,9 @@ func runQueued(t *testing.T, envs []*rankEnv, c rcase, topo []goep.Topology, pee
 			return o
 		}
 		op := func(in queuedIn, o outs) *goep.DispatchOp {
-			return &goep.DispatchOp{Config: c.cfg, NumTokens: in.T, HiddenBytes: rowBytes, ScalesBytes: c.scales * 4, NumTopk: K,
+			st, ss := c.scaleStrides(in.T)
+			return &goep.DispatchOp{Config: c.cfg, NumTokens: in.T, HiddenBytes: rowBytes, ScalesBytes: c.scales * 4,
+				ScalesTokenStride: st, ScalesStride: ss, NumTopk: K,
 				NumExperts: E, X: in.x.t, XScales: in.sc.t, TopkIdx: in.topk.t, TopkWeights: in.w.t, InRank: in.inRank.t,
 				RankPrefix: o.rp.t, ChannelPrefix: o.cp.t, RecvX: o.recvX.t, RecvXScales: o.recvSc.t, RecvSrcIdx: o.recvSrc.t,
 				RecvTopkIdx: o.recvTopk.t, RecvTopkWeights: o.recvW.t, SendHead: o.sendH.t}

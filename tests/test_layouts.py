@@ -1,0 +1,197 @@
+"""Every input DeepEP's normal mode takes, taken alike: FP8 scales column-major (DeepEP's own tests pass
+`scales.T.contiguous().T`, DeepGEMM TMA-aligned ones) or int32, rows of any dtype, a handle as a list, DeepEP's
+argument types for Buffer; and what pyep refuses, with the argument's name. Runs on the cpu backend and with
+PYEP_TEST_DEVICE=cuda, against test_normal's reference."""
+import numpy as np
+import pytest
+import torch
+
+import pyep
+from test_normal import Case, buffer_for, expected_combine, expected_receive, expert_output, inputs, on
+
+
+def layout_of(buffer, topk, E):
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+
+def column_major(scales, pad=0):
+    """scales [T, S] column-major, each column padded to T + pad (garbage there), as DeepGEMM aligns them for TMA."""
+    T, S = scales.shape
+    cols = torch.full((S, T + pad), -7.0, dtype=scales.dtype, device=scales.device)
+    cols[:, :T] = scales.T
+    return cols.T[:T]
+
+
+SCALE_LAYOUTS = {
+    "column_major": lambda s: s.T.contiguous().T,
+    "column_major_tma_padded": lambda s: column_major(s, pad=-s.size(0) % 4 + 4),
+    "int32": lambda s: s.view(torch.int32),
+    "int32_column_major": lambda s: s.view(torch.int32).T.contiguous().T,
+    "padded_rows": lambda s: torch.cat([s, torch.zeros_like(s)], 1)[:, :s.size(1)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALE_LAYOUTS))
+def test_fp8_scales_layouts_move_as_row_major(group, device, name):
+    case = Case("fp8_layouts", tokens=45, hidden=512, fp8=True)
+    me, R = group.rank(), group.size()
+    E = case.experts_per_rank * R
+    config = pyep.Buffer.get_dispatch_config(R)
+    buffer = buffer_for(group, config, case.hidden * 2)
+    (x, scales), topk, w = on(device, inputs(case, me, R))
+    scales_in = SCALE_LAYOUTS[name](scales)
+    if name.endswith("column_major") or name.endswith("padded"):
+        assert scales_in.stride()[0] == 1 and not scales_in.is_contiguous()
+    layout = layout_of(buffer, topk, E)
+    ref_x, ref_scales, ref_topk, ref_w, _, ref_counts = expected_receive(case, me, R)
+    n = ref_x.size(0)
+
+    (recv_x, recv_scales), recv_topk, recv_w, counts, handle, _ = buffer.dispatch(
+        (x, scales_in), **layout, topk_idx=topk, topk_weights=w, config=config)
+    assert torch.equal(recv_x.cpu().view(torch.uint8), ref_x.view(torch.uint8))
+    # Received scales are row-major, of the scales' dtype, as DeepEP's.
+    assert recv_scales.dtype == scales_in.dtype and recv_scales.shape == (n, scales.size(1)) and recv_scales.is_contiguous()
+    assert torch.equal(recv_scales.cpu().view(torch.float32), ref_scales)
+    assert torch.equal(recv_topk.cpu(), ref_topk) and torch.equal(recv_w.cpu(), ref_w) and counts == ref_counts
+
+    # Cached dispatch reads the same layout, and combine returns every token.
+    (again_x, again_scales), *_ = buffer.dispatch((x, scales_in), handle=handle, config=config)
+    assert torch.equal(again_x.cpu().view(torch.uint8), ref_x.view(torch.uint8))
+    assert torch.equal(again_scales.cpu().view(torch.float32), ref_scales)
+    y = on(device, expert_output(recv_x.cpu().float().to(torch.bfloat16), me))
+    combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w, config=config)
+    ref_combined, ref_weights = expected_combine(case, me, R, ())
+    assert torch.equal(combined.cpu(), ref_combined) and torch.equal(combined_w.cpu(), ref_weights)
+
+
+def test_fp8_scales_other_strides_refused(group, device):
+    case = Case("fp8_strides", tokens=45, hidden=512, fp8=True)
+    me, R = group.rank(), group.size()
+    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), case.hidden * 2)
+    (x, scales), topk, w = on(device, inputs(case, me, R))
+    layout = layout_of(buffer, topk, case.experts_per_rank * R)
+    every_other = torch.cat([scales, scales], 1)[:, ::2]
+    with pytest.raises(ValueError, match=r"x\[1\]: strides \(8, 2\) for shape \[45, 4\]: expected row-major \(4, 1\) or "
+                                         r"column-major \(1, 45\) scales"):
+        buffer.dispatch((x, every_other), **layout)
+    with pytest.raises(ValueError, match=r"x\[1\]: dtype torch.float16, expected torch.float32 or torch.int32"):
+        buffer.dispatch((x, scales.half()), **layout)
+    with pytest.raises(ValueError, match=r"x\[0\]: dtype torch.bfloat16, expected 1-byte elements with scales"):
+        buffer.dispatch((x.to(torch.bfloat16), scales), **layout)
+    with pytest.raises(ValueError, match=r"x: a tuple of 3, expected a tensor or the pair \(x, x_scales\)"):
+        buffer.dispatch((x, scales, scales), **layout)
+
+
+def expected_rows(case, me, R, make):
+    """The rows of make(src) [T, *] that rank me receives, in dispatch's order."""
+    rows = []
+    for src in range(R):
+        _, topk, _ = inputs(case, src, R)
+        epr = case.experts_per_rank
+        rows.append(make(src)[((topk >= me * epr) & (topk < (me + 1) * epr)).any(1)])
+    return torch.cat(rows)
+
+
+ROW_DTYPES = [torch.int32, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES, ids=str)
+def test_rows_of_any_dtype_move_as_bytes(group, device, dtype):
+    """DeepEP's dispatch copies rows as bytes: per-token metadata rides along, often by cached dispatch."""
+    case = Case("any_dtype", tokens=40)
+    me, R = group.rank(), group.size()
+    config = pyep.Buffer.get_dispatch_config(R)
+    buffer = buffer_for(group, config, case.hidden * 2)
+    x, topk, w = on(device, inputs(case, me, R))
+
+    def make(src):
+        g = torch.Generator().manual_seed(100 + src)
+        raw = torch.randint(0, 256, (case.tokens, 48), generator=g, dtype=torch.uint8)
+        return (raw & 1 if dtype == torch.bool else raw).view(dtype)  # indexing makes bools 0 or 1
+
+    layout = layout_of(buffer, topk, case.experts_per_rank * R)
+    recv, _, _, _, handle, _ = buffer.dispatch(make(me).to(device), **layout, topk_idx=topk, topk_weights=w, config=config)
+    want = expected_rows(case, me, R, make)
+    assert recv.dtype == dtype and torch.equal(recv.cpu().view(torch.uint8), want.view(torch.uint8))
+    # The handle as a list, as DeepEP unpacks any 6 elements.
+    cached, *_ = buffer.dispatch(make(me).to(device), handle=list(handle), config=config)
+    assert torch.equal(cached.cpu().view(torch.uint8), want.view(torch.uint8))
+    y, *_ = buffer.dispatch(x, handle=handle, config=config)
+    combined, _, _ = buffer.combine(y, list(handle), config=config)
+    assert combined.shape == x.shape
+
+
+def test_topk_idx_int32_refused_with_the_dtype_to_use(group, device):
+    case = Case("int32", tokens=16)
+    me, R = group.rank(), group.size()
+    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), case.hidden * 2)
+    x, topk, w = on(device, inputs(case, me, R))
+    E = case.experts_per_rank * R
+    hint = r"topk_idx: dtype torch.int32, expected torch.int64 \(pyep.topk_idx_t, as DeepEP's default build"
+    with pytest.raises(ValueError, match=hint):
+        buffer.get_dispatch_layout(topk.int(), E)
+    with pytest.raises(ValueError, match=hint):
+        buffer.dispatch(x, **layout_of(buffer, topk, E), topk_idx=topk.int(), topk_weights=w)
+
+
+def test_num_tokens_per_rdma_rank_ignored_within_one_domain(group, device):
+    case = Case("rdma_rank", tokens=16)
+    me, R = group.rank(), group.size()
+    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), case.hidden * 2)
+    x, topk, w = on(device, inputs(case, me, R))
+    per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, case.experts_per_rank * R)
+    assert per_rdma is None
+    recv, *_ = buffer.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rank[:1].clone(),
+                               is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    assert torch.equal(recv.cpu(), expected_receive(case, me, R)[0])
+
+
+def test_across_domains_dispatch_and_combine_go_to_internode(group, device, monkeypatch):
+    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(group.size()), 256 * 2)
+    monkeypatch.setattr(buffer, "_multi_domain_cached", True, raising=False)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16, device=device)
+    with pytest.raises(pyep.NotAvailableError, match=r"^Buffer\.internode_dispatch: normal mode across NVLink domains"):
+        buffer.dispatch(x)
+    with pytest.raises(pyep.NotAvailableError, match=r"^Buffer\.internode_combine: "):
+        buffer.combine(x, ())
+
+
+def test_buffer_takes_deepep_argument_types(group):
+    # numpy integers and 0/1 flags pass DeepEP's binding; pyep takes them too.
+    buffer = pyep.Buffer(group, np.int64(1 << 20), explicitly_destroy=np.bool_(True), allow_mnnvl=1)
+    assert buffer.num_nvl_bytes == 1 << 20 and type(buffer.num_nvl_bytes) is int and buffer.explicitly_destroy is True
+    buffer.destroy()
+
+
+def test_buffer_refuses_what_it_cannot_do_by_name(group):
+    with pytest.raises(ValueError, match=r"enable_shrink=True: .* expected low_latency_mode=True"):
+        pyep.Buffer(group, 1 << 20, enable_shrink=True)
+    with pytest.raises(TypeError, match=r"group must be a torch.distributed ProcessGroup or None, got str"):
+        pyep.Buffer("world", 1 << 20)
+    with pytest.raises(TypeError, match=r"comm must be an mpi4py communicator .* got object"):
+        pyep.Buffer(None, 1 << 20, comm=object())
+    with pytest.raises(TypeError, match=r"num_nvl_bytes must be an int, got float"):
+        pyep.Buffer(group, 1.5e6)
+    with pytest.raises(TypeError, match=r"use_fabric must be a bool, got 'yes'"):
+        pyep.Buffer(group, 1 << 20, use_fabric="yes")
+
+
+def test_nvlink_domain_spanning_machines_raises(group, monkeypatch):
+    """allow_mnnvl=True on one machine needs nothing; a domain across machines needs MNNVL, which pyep lacks."""
+    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(group.size()), 256 * 2)
+    monkeypatch.setattr(buffer.runtime, "_num_nvl_ranks", 4)
+    one = [("boot-a", "h1")] * 4
+    containers = [("boot-a", f"pod{i}") for i in range(4)]  # one kernel: one machine
+    buffer._check_hosts(one + [("boot-b", "h2")] * 4, True)
+    buffer._check_hosts(containers, False)
+    spread = [("boot-a", "h1")] * 2 + [("boot-b", "h2")] * 2
+    with pytest.raises(pyep.NotAvailableError, match=r"^Buffer\.__init__: allow_mnnvl=True: ranks 0-3, one NVLink domain, "
+                                                     r"run on 2 machines \(h1, h2\): multi-node NVLink \(MNNVL\) is not"):
+        buffer._check_hosts(spread, True)
+    with pytest.raises(pyep.PyepError, match=r"ranks 0-3, one NVLink domain, run on 2 machines \(h1, h2\); pyep needs"):
+        buffer._check_hosts(spread, False)
+    # Without a boot id, host names decide.
+    buffer._check_hosts([(None, "h1")] * 4, True)
+    with pytest.raises(pyep.PyepError, match="run on 2 machines"):
+        buffer._check_hosts([(None, "h1"), ("boot-a", "h1"), (None, "h2"), (None, "h2")], False)
