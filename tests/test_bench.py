@@ -167,10 +167,10 @@ def test_tuning_default_path(monkeypatch):
 
 
 def test_bench_lists_and_plan():
-    assert bench._int_list("128:1024:x2") == [128, 256, 512, 1024]
-    assert bench._int_list("8:24:4") == [8, 12, 16, 20, 24]
-    assert bench._int_list("2048,4096,2048") == [2048, 4096]
-    assert bench._chunk_list("default,4,8") == [None, 4, 8]
+    assert bench.plan._int_list("128:1024:x2") == [128, 256, 512, 1024]
+    assert bench.plan._int_list("8:24:4") == [8, 12, 16, 20, 24]
+    assert bench.plan._int_list("2048,4096,2048") == [2048, 4096]
+    assert bench.plan._chunk_list("default,4,8") == [None, 4, 8]
     args = bench.parse_args(["--tokens", "128,4096", "--hidden", "2048,7168", "--sms", "8,24", "--experts", "250"])
     plan = bench.make_plan(args, "cuda", 8)
     assert plan.reference == {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 248, "num_sms": 24,

@@ -1,0 +1,57 @@
+"""Timing of one measurement: device time (CUDA events, L2 flushed) and host time."""
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+
+class Timer:
+    """CUDA events around each call with L2 flushed before each timed call (GPU), or time.perf_counter (cpu)."""
+
+    def __init__(self, device: torch.device, flush_mb: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.flush = None
+        if self.cuda and flush_mb > 0:
+            self.flush = torch.empty(flush_mb * (1 << 20) // 4, dtype=torch.int32, device=device)
+
+    def run(self, fn: Callable[[], object], warmup: int, iters: int) -> List[float]:
+        """Seconds of each of `iters` calls after `warmup` untimed ones."""
+        for _ in range(warmup):
+            fn()
+        if not self.cuda:
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return times
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for i in range(iters):
+            if self.flush is not None:
+                self.flush.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+
+    def host(self, fn: Callable[[], object], wait: Callable[[object], None], iters: int,
+             launched: Optional[Callable[[], float]] = None) -> Tuple[List[float], List[float]]:
+        """Seconds from the Python call to its return, and (with `launched`, the time.perf_counter clock
+        reading right after the implementation's latest kernel launch) to its last launch, without
+        synchronizing inside; the device is idle before each call and `wait` joins the result afterwards."""
+        times, launches = [], []
+        for _ in range(iters):
+            if self.cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = fn()
+            times.append(time.perf_counter() - t0)
+            if launched is not None:
+                launches.append(launched() - t0)
+            wait(r)
+        if self.cuda:
+            torch.cuda.synchronize()
+        return times, launches
