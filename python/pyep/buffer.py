@@ -392,6 +392,14 @@ class Buffer:
         self._release()
 
     @staticmethod
+    def is_sm90_compiled() -> bool:
+        """
+        Whether the SM90 features (FP8 dispatch) are available, DeepEP's build-time flag. pyep compiles its kernels
+        at run time for the GPU present and moves FP8 rows as bytes, on every backend: always True.
+        """
+        return True
+
+    @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """
         Sets the number of SMs that normal-mode kernels use (class-wide).
