@@ -1,5 +1,5 @@
 """The baseline: the all_to_all_single code a user writes without an EP library."""
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,3 +81,12 @@ class Baseline:
 
     def close(self) -> None:
         pass
+
+
+def why_not(cuda: bool, nccl: bool, shared_gpu: bool) -> Optional[str]:
+    """Why the baseline is not measured (None: it is). On GPUs it is NCCL's all_to_all_single; over a gloo group
+    (ranks that share a GPU, which NCCL refuses) the all-to-all would go through host memory, no fair baseline."""
+    if cuda and not nccl:
+        return ("the group is gloo" + (" (ranks share a GPU: NCCL refuses them)" if shared_gpu else "")
+                + ": the baseline is NCCL's all_to_all_single, and gloo's (through host memory) is no fair baseline")
+    return None

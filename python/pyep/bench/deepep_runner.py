@@ -1,9 +1,17 @@
-"""DeepEP V1 beside pyep: importing it."""
+"""DeepEP V1 beside pyep: importing it, when it can run, and its runner."""
 import importlib
 import os
-from typing import Tuple
+from typing import Optional, Tuple
+
+import torch.distributed as dist
 
 import pyep
+from .ep_runner import CONFIG_FIELDS, EPRunner
+
+# DeepEP V1's intranode kernels are instantiated for these group sizes only (SWITCH_RANKS in its launch.cuh).
+INTRANODE_RANKS = (2, 4, 8)
+# A test aid: let the bench try `deep_ep` on the cpu backend (tests drive the DeepEP path with a stand-in module).
+ENV_ON_CPU = "PYEP_BENCH_DEEPEP_ON_CPU"
 
 
 def _import_deepep() -> Tuple[object, dict]:
@@ -27,3 +35,33 @@ def _import_deepep() -> Tuple[object, dict]:
         except ImportError:
             pass
     return mod, {"version": version, "skipped": None}
+
+
+def why_not(cuda: bool, shared_gpu: bool, num_ranks: int, num_gpus: int) -> Optional[str]:
+    """Why DeepEP cannot run in this group (None: it can)."""
+    if not cuda and os.environ.get(ENV_ON_CPU) != "1":
+        return "cpu backend: DeepEP needs CUDA GPUs"
+    if shared_gpu:
+        return (f"ranks share a GPU ({num_ranks} ranks on {num_gpus} GPU{'s' if num_gpus != 1 else ''}): "
+                "DeepEP needs one GPU per rank")
+    return None
+
+
+class DeepEPRunner(EPRunner):
+    """deep_ep.Buffer through DeepEP V1's public API only. Every Config is made as `deep_ep.Config(*numbers)`:
+    DeepEP's recommended table, as pyep's core holds it (for group sizes DeepEP has no entry for, 1 and 3 say,
+    the next larger domain's), with the case's chunk sizes put in. The numbers are kept here: DeepEP's Config
+    has no readable fields."""
+
+    name = "deepep"
+
+    def __init__(self, module, group: dist.ProcessGroup) -> None:
+        super().__init__(module, group)
+        if self.num_ranks not in INTRANODE_RANKS:
+            self.ops = ("layout",)
+            self.note = (f"deepep: DeepEP V1's intranode dispatch and combine take {', '.join(map(str, INTRANODE_RANKS))} "
+                         f"ranks, not {self.num_ranks}: only its layout is measured")
+
+    def recommended(self, kind: str, num_sms: int) -> Tuple[int, ...]:
+        cfg = pyep.Config._recommended(kind, self.num_ranks, num_sms)  # DeepEP's table, never a tuning file's
+        return tuple(int(getattr(cfg, n)) for n in CONFIG_FIELDS)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import pyep
+from .gpus import Placement, mps_status
 
 
 def _driver_version() -> Optional[str]:
@@ -41,7 +42,10 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment(device: torch.device, group: dist.ProcessGroup, deepep: dict) -> dict:
+def environment(where: Placement, group: dist.ProcessGroup, deepep: dict) -> dict:
+    """What a report records of the machine and the run (rank 0's view). gpu_sharing: whether ranks share GPUs
+    (then their figures are for correctness, not speed); mps: CUDA MPS as the ranks' CUDA clients find it."""
+    device = where.device
     env = {
         "hostname": socket.gethostname(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -57,13 +61,16 @@ def environment(device: torch.device, group: dist.ProcessGroup, deepep: dict) ->
         "num_ranks": group.size(),
         "deep_ep": deepep,
         "gpu": None, "gpu_count": 0, "driver": None, "cuda": torch.version.cuda, "nccl": None,
+        "gpu_sharing": None, "mps": None,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, gpu_count=torch.cuda.device_count(), driver=_driver_version(),
                    gpu_sms=props.multi_processor_count, gpu_memory_bytes=props.total_memory,
                    gpu_l2_bytes=getattr(props, "L2_cache_size", None),
-                   gpu_capability=f"{props.major}.{props.minor}")
+                   gpu_capability=f"{props.major}.{props.minor}",
+                   gpu_sharing={"shared": where.shared, "ranks_per_gpu": where.ranks_per_gpu, "gpus_used": where.gpus},
+                   mps=mps_status())
         try:
             v = torch.cuda.nccl.version()
             env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)

@@ -117,8 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, help="timed calls per measurement (default 50 on GPU, 5 on cpu)")
     p.add_argument("--host-iters", type=int, dest="host_iters", help="calls timed on the host (async_finish=True) (default 10 on GPU, 2 on cpu; 0: skip)")
     p.add_argument("--flush-mb", type=int, default=256, dest="flush_mb", help="MiB written between timed GPU iterations to flush L2 (default 256)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="cuda (NCCL) or cpu (gloo) backend (default: cuda if GPUs)")
-    p.add_argument("--nprocs", type=int, help="ranks to spawn when not under torchrun (default: GPU count, or 4 on cpu)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="cuda (NCCL; gloo where ranks share a GPU) or cpu (gloo) backend (default: cuda if GPUs)")
+    p.add_argument("--nprocs", type=int, help="ranks to spawn when not under torchrun (default: GPU count, or 4 on cpu); "
+                   "more ranks than GPUs share them (rank i on GPU i %% count, a gloo group): correctness, not speed")
     p.add_argument("--spawn", action="store_true", help="spawn ranks even if torchrun's environment or a process group is present")
     p.add_argument("--out", help="output folder (default bench/results/<host>-<timestamp>/)")
     p.add_argument("--no-plots", action="store_true", dest="no_plots", help="skip the PNG plots")

@@ -13,7 +13,7 @@ from .. import tuning
 from .plan import FP8_FACTOR, TUNE_KINDS, Plan
 from .plots import plot
 
-SCHEMA = "pyep-bench/1"
+SCHEMA = "pyep-bench/2"
 
 
 def _err(e: BaseException) -> str:
@@ -42,8 +42,8 @@ def _merge(records: List[dict]) -> dict:
     if errors:
         out["per_rank"] = []
         return out
-    per_rank = [{k: r.get(k) for k in ("rank", "median_us", "min_us", "max_us", "host_us", "launch_us", "recv_tokens",
-                                        "bytes", "gbps", "times_us")}
+    per_rank = [{k: r.get(k) for k in ("rank", "median_us", "min_us", "max_us", "host_us", "launch_us", "result_us",
+                                        "recv_tokens", "bytes", "gbps", "times_us")}
                 for r in records]
     out["per_rank"] = per_rank
     medians = [r["median_us"] for r in per_rank]
@@ -54,10 +54,9 @@ def _merge(records: List[dict]) -> dict:
     gb = [r["gbps"] for r in per_rank if r["gbps"] is not None]
     out["gbps_avg"] = round(statistics.fmean(gb), 3) if gb else None
     out["gbps_min"] = round(min(gb), 3) if gb else None
-    hosts = [r["host_us"] for r in per_rank if r["host_us"] is not None]
-    out["host_us_avg"] = round(statistics.fmean(hosts), 3) if hosts else None
-    launches = [r["launch_us"] for r in per_rank if r["launch_us"] is not None]
-    out["launch_us_avg"] = round(statistics.fmean(launches), 3) if launches else None
+    for key in ("host_us", "launch_us", "result_us"):
+        values = [r[key] for r in per_rank if r[key] is not None]
+        out[key + "_avg"] = round(statistics.fmean(values), 3) if values else None
     recv = [r["recv_tokens"] for r in per_rank if r["recv_tokens"] is not None]
     out["recv_tokens_avg"] = round(statistics.fmean(recv), 1) if recv else None
     out["bytes_total"] = sum(r["bytes"] for r in per_rank)
@@ -72,8 +71,8 @@ class Table:
         self.mu = "µs" if "utf" in enc else "us"
         self.cols = [("impl", 8, "<"), ("op", 15, "<"), ("tokens", 6, ">"), ("hidden", 6, ">"), ("topk", 4, ">"),
                      ("experts", 7, ">"), ("SMs", 3, ">"), ("nvl s/r", 7, ">"), ("recv", 7, ">"),
-                     (f"time {self.mu}", 10, ">"), ("(min-max)", 23, "<"), ("GB/s avg", 8, ">"), ("GB/s min", 8, ">"),
-                     (f"host {self.mu}", 9, ">"), (f"launch {self.mu}", 10, ">")]
+                     (f"time {self.mu}", 10, ">"), ("(min-max)", 19, "<"), ("GB/s avg", 8, ">"), ("GB/s min", 8, ">"),
+                     (f"launch {self.mu}", 9, ">"), (f"call {self.mu}", 8, ">"), (f"result {self.mu}", 9, ">")]
 
     def header(self) -> str:
         head = " ".join(f"{name:{align}{width}}" for name, width, align in self.cols).rstrip()
@@ -96,7 +95,8 @@ class Table:
             return " ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, self.cols)).rstrip()
         vals = head + [num(r["recv_tokens_avg"], ".0f"), num(r["time_us_avg"], ".1f"),
                        f"({r['time_us_min']:.1f}-{r['time_us_max']:.1f})", num(r["gbps_avg"], ".2f"),
-                       num(r["gbps_min"], ".2f"), num(r["host_us_avg"], ".1f"), num(r.get("launch_us_avg"), ".1f")]
+                       num(r["gbps_min"], ".2f"), num(r.get("launch_us_avg"), ".1f"), num(r["host_us_avg"], ".1f"),
+                       num(r.get("result_us_avg"), ".1f")]
         return " ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, self.cols)).rstrip()
 
 
@@ -182,7 +182,7 @@ def tune_table(results: List[dict], num_ranks: int, device: str, default_hidden:
 
 
 def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], elapsed: float, out_dir: str,
-            table: Table, lines: List[str], emit: Callable[[str], None], R: int, cuda: bool) -> dict:
+            table: Table, lines: List[str], emit: Callable[[str], None], R: int, cuda: bool, shared_gpu: bool) -> dict:
     """Rank 0: the tuning file, the plots, results.json and table.txt."""
     report = {
         "schema": SCHEMA,
@@ -196,9 +196,14 @@ def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], ela
             "time": "per rank: median (min, max) over the timed calls; across ranks: the average of the medians",
             "gbps": "per rank: bytes / median time; dispatch_bf16, dispatch_cached, combine_bf16, alltoall_bf16: recv_tokens * hidden * 2;"
                     " dispatch_fp8: that * (1 + 4/128) / 2; layout: none. Reported as average and min over ranks",
-            "host_us": "per rank: median of time.perf_counter around one call with async_finish=True (baseline: the plain call)",
-            "launch_us": "per rank (pyep on cuda): median time from the Python call to right after its last kernel launch, "
-                         "the core's CLOCK_MONOTONIC stamp; a dispatch returns later, once notify's counts reach the host",
+            "host": "host_us, launch_us, result_us: per rank, the median over host_iters calls with async_finish=True "
+                    "(baseline: the plain call), each after a barrier with the device idle; across ranks, the average",
+            "host_us": "call time: time.perf_counter from the Python call to its return, nothing synchronized inside "
+                       "(DeepEP has no launch stamp: this is its host figure)",
+            "launch_us": "pyep on cuda only: from the Python call to right after its last kernel launch (the core's "
+                         "CLOCK_MONOTONIC stamp); a dispatch returns later, once notify's counts reach the host",
+            "result_us": "time to result with the GPU idle: from the Python call until the call has returned and "
+                         "torch.cuda.synchronize() has returned (cpu: the call's return)",
         },
         "skipped": skipped,
         "elapsed_s": round(elapsed, 3),
@@ -214,7 +219,10 @@ def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], ela
                   "iters": plan.iters, "warmup": plan.warmup, "backend": plan.backend}
         tuned = tune_table(results, R, dev_name, plan.reference["hidden"], source)
         path = None
-        if tuned["hidden"]:
+        if shared_gpu and not args.tuning_file:
+            emit("tuning: ranks share a GPU: no tuning file written (it would stand for a host with a GPU a rank); "
+                 "--tuning-file writes one anyway")
+        elif tuned["hidden"]:
             path = tuning.save(tuned, args.tuning_file or tuning.tuning_path(R, dev_name))
             emit(f"tuning file: {path}")
         else:

@@ -10,13 +10,16 @@ import torch
 import torch.distributed as dist
 
 import pyep
+from . import baseline as baseline_mod, deepep_runner
 from .baseline import Baseline
-from .deepep_runner import _import_deepep
+from .deepep_runner import DeepEPRunner, _import_deepep
 from .env import environment
-from .ep_runner import EPImpl, _config_fields
+from .ep_runner import EPRunner
+from .gpus import SHARED_NOTE, Placement, placement
 from .inputs import make_routing, make_x
 from .plan import Case, Plan, make_plan
 from .report import Progress, Table, _bytes_of, _err, _finish, _merge, _us, default_out_dir
+from .pyep_runner import PyepRunner
 from .timing import Timer
 
 
@@ -30,23 +33,27 @@ def _agree(group: dist.ProcessGroup, error: Optional[str]) -> Optional[str]:
     return None
 
 
-def _barrier(group: dist.ProcessGroup, cuda: bool) -> None:
-    if cuda:
+def _barrier(group: dist.ProcessGroup, where: Placement) -> None:
+    if where.nccl:
         dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier(group=group)
 
 
-def _sync(group: dist.ProcessGroup, cuda: bool) -> None:
-    if cuda:
+def _sync(group: dist.ProcessGroup, where: Placement) -> None:
+    if where.cuda:
         torch.cuda.synchronize()
-    _barrier(group, cuda)
+    _barrier(group, where)
+
+
+def _median_us(seconds: List[float]) -> Optional[float]:
+    return _us(statistics.median(seconds)) if seconds else None
 
 
 def _record(impl, case: Case, op: str, rank: int, **fields) -> dict:
     """A rank's record of one measurement: what was measured (layout has no SMs or chunks; the baseline no
     Config) and, in fields, the numbers or the error."""
-    ep = isinstance(impl, EPImpl) and op != "layout"
+    ep = isinstance(impl, EPRunner) and op != "layout"
     rec = dict(impl=impl.name, op=op, tokens=case.tokens, hidden=case.hidden, topk=case.topk, experts=case.experts,
                num_sms=case.num_sms if ep else None, nvl_send=case.nvl_send if ep else None,
                nvl_recv=case.nvl_recv if ep else None, config=None, error=None, rank=rank)
@@ -54,20 +61,25 @@ def _record(impl, case: Case, op: str, rank: int, **fields) -> dict:
     return rec
 
 
-def _make_impls(plan: Plan, group: dist.ProcessGroup, cuda: bool) -> Tuple[list, Dict[str, str], dict]:
+def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple[list, Dict[str, str], dict]:
     """The implementations that can run on every rank, those skipped (with why), and DeepEP's import info."""
     R = group.size()
     skipped: Dict[str, str] = {}
     deepep_mod, deepep_info = None, {"version": None, "skipped": "not requested"}
     if "deepep" in plan.impls:
-        if cuda:
+        why = deepep_runner.why_not(where.cuda, where.shared, R, where.gpus)
+        if why is None:
             deepep_mod, deepep_info = _import_deepep()
         else:
-            deepep_info = {"version": None, "skipped": "cpu backend: DeepEP needs CUDA GPUs and an NCCL group"}
+            deepep_info = {"version": None, "skipped": why}
         why = _agree(group, deepep_info["skipped"] if deepep_mod is None else None)
         if why:
             skipped["deepep"] = why
             deepep_mod = None
+    if "baseline" in plan.impls:
+        why = baseline_mod.why_not(where.cuda, where.nccl, where.shared)
+        if why:
+            skipped["baseline"] = why
     impls = []
     for name in plan.impls:
         if name in skipped:
@@ -77,17 +89,12 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, cuda: bool) -> Tuple[list,
             if name == "baseline":
                 impl = Baseline(group)
             else:
-                module = pyep if name == "pyep" else deepep_mod
-                valid = []
-                for c in plan.cases:
-                    try:
-                        EPImpl.case_configs(module, c, R)
-                        valid.append(c)
-                    except ValueError:
-                        pass  # recorded per case when measured
-                impl = EPImpl(name, module, group, EPImpl.nvl_bytes(module, valid, R) or (1 << 20))
+                impl = PyepRunner(group) if name == "pyep" else DeepEPRunner(deepep_mod, group)
+                impl.open(plan.cases)
         except Exception as e:  # noqa: BLE001 - recorded and skipped on every rank
             err = _err(e)
+            if os.environ.get("PYEP_BENCH_DEBUG"):
+                traceback.print_exc()
         why = _agree(group, err)
         if why:
             skipped[name] = why
@@ -99,7 +106,7 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, cuda: bool) -> Tuple[list,
 
 
 def _measure(impl, case: Case, ops: List[str], data: dict, plan: Plan, timer: Timer, group: dist.ProcessGroup,
-             cuda: bool) -> List[dict]:
+             where: Placement) -> List[dict]:
     """This rank's records of `ops` of one implementation in one case. Every failure is agreed on by all ranks,
     so that they go on (or skip) together. `layout` is prepared apart (it needs no dispatch), so that it is
     measured even where dispatch fails."""
@@ -107,16 +114,16 @@ def _measure(impl, case: Case, ops: List[str], data: dict, plan: Plan, timer: Ti
     stages = [[op for op in ops if op == "layout"], [op for op in ops if op != "layout"]]
     for full, stage in zip((False, True), stages):
         if stage:
-            records += _measure_stage(impl, case, stage, full, data, plan, timer, group, cuda)
+            records += _measure_stage(impl, case, stage, full, data, plan, timer, group, where)
     return records
 
 
 def _measure_stage(impl, case: Case, ops: List[str], full: bool, data: dict, plan: Plan, timer: Timer,
-                   group: dist.ProcessGroup, cuda: bool) -> List[dict]:
+                   group: dist.ProcessGroup, where: Placement) -> List[dict]:
     rank = group.rank()
     st, err = None, None
     try:
-        _sync(group, cuda)
+        _sync(group, where)
         st = impl.prepare(case, data, full)
     except Exception as e:  # noqa: BLE001 - recorded for this impl and case
         err = _err(e)
@@ -128,17 +135,17 @@ def _measure_stage(impl, case: Case, ops: List[str], full: bool, data: dict, pla
         fields: dict = {}
         err = None
         try:
-            call, host_call, wait, cfg = impl.op(op, case, data, st)
-            fields["config"] = list(_config_fields(cfg)) if cfg is not None else None
-            _sync(group, cuda)
+            call, host_call, wait, rc = impl.op(op, case, data, st)
+            fields["config"] = list(rc.fields) if rc is not None else None
+            _sync(group, where)
             times = timer.run(call, plan.warmup, plan.iters)
-            host, launch = timer.host(host_call, wait, plan.host_iters, getattr(impl, "launched", None)) \
-                if plan.host_iters else ([], [])
+            host = timer.host(host_call, wait, plan.host_iters, getattr(impl, "launched", None),
+                              before=lambda: _barrier(group, where))
             med = statistics.median(times)
             nbytes = _bytes_of(op, st["recv_tokens"], case.hidden)
             fields.update(median_us=_us(med), min_us=_us(min(times)), max_us=_us(max(times)),
-                          times_us=[_us(t) for t in times], host_us=_us(statistics.median(host)) if host else None,
-                          launch_us=_us(statistics.median(launch)) if launch else None,
+                          times_us=[_us(t) for t in times], host_us=_median_us(host.calls),
+                          launch_us=_median_us(host.launches), result_us=_median_us(host.results),
                           recv_tokens=st["recv_tokens"], bytes=nbytes,
                           gbps=round(nbytes / 1e9 / med, 3) if nbytes and med > 0 else None)
         except Exception as e:  # noqa: BLE001 - recorded for this op and case
@@ -155,22 +162,25 @@ def _measure_stage(impl, case: Case, ops: List[str], full: bool, data: dict, pla
 def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> Optional[dict]:
     """
     Runs the benchmark in every rank of an existing process group (gloo: cpu backend; NCCL: cuda backend,
-    each rank on its current device). Collective: every rank calls it with the same args.
+    each rank on its current device; gloo with PYEP_BACKEND=cuda: cuda backend, ranks that may share GPUs).
+    Collective: every rank calls it with the same args.
 
     Returns:
         report: the report written to results.json on rank 0; None on other ranks.
     """
     group = group or dist.group.WORLD
     rank, R = group.rank(), group.size()
-    cuda = "nccl" in str(dist.get_backend(group)).lower()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    backend = "cuda" if cuda else "cpu"
-    plan = make_plan(args, backend, R)
+    where = placement(args.device, group)
+    device, cuda = where.device, where.cuda
+    plan = make_plan(args, where.backend, R)
+    if where.shared:
+        plan.notes.append(SHARED_NOTE)
     lead = rank == 0
     show = lead and not args.quiet
-    impls, skipped, deepep_info = _make_impls(plan, group, cuda)
+    impls, skipped, deepep_info = _make_impls(plan, group, where)
+    plan.notes += [impl.note for impl in impls if getattr(impl, "note", None)]
 
-    env = environment(device, group, deepep_info) if lead else None
+    env = environment(where, group, deepep_info) if lead else None
     out_dir = None
     if lead:
         out_dir = args.out or default_out_dir()
@@ -185,8 +195,7 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
             progress.write(line)
 
     if lead:
-        emit(f"pyep {pyep.__version__} bench: {R} ranks, {backend} backend"
-             + (f" ({env['gpu']})" if env.get("gpu") else "") + f", {plan.mode}: {len(plan.cases)} cases, "
+        emit(f"pyep {pyep.__version__} bench: {where.describe(R, env.get('gpu'))}, {plan.mode}: {len(plan.cases)} cases, "
              f"ops {','.join(plan.ops)}, impls {','.join(i.name for i in impls) or 'none'}, "
              f"warmup {plan.warmup}, iters {plan.iters}, host iters {plan.host_iters}")
         for name, why in skipped.items():
@@ -231,7 +240,7 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
                     done.add(key)
                     todo.append(op)
             if todo:
-                records += _measure(impl, case, todo, data, plan, timer, group, cuda)
+                records += _measure(impl, case, todo, data, plan, timer, group, where)
 
         gathered: List[Optional[List[dict]]] = [None] * R
         dist.all_gather_object(gathered, records, group=group)
@@ -248,9 +257,9 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
     data.clear()
 
     if not lead:
-        _barrier(group, cuda)
+        _barrier(group, where)
         return None
     try:
-        return _finish(args, plan, env, skipped, results, elapsed, out_dir, table, lines, emit, R, cuda)
+        return _finish(args, plan, env, skipped, results, elapsed, out_dir, table, lines, emit, R, cuda, where.shared)
     finally:
-        _barrier(group, cuda)
+        _barrier(group, where)

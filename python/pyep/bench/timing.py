@@ -1,6 +1,6 @@
 """Timing of one measurement: device time (CUDA events, L2 flushed) and host time."""
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
@@ -38,20 +38,41 @@ class Timer:
         return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
 
     def host(self, fn: Callable[[], object], wait: Callable[[object], None], iters: int,
-             launched: Optional[Callable[[], float]] = None) -> Tuple[List[float], List[float]]:
-        """Seconds from the Python call to its return, and (with `launched`, the time.perf_counter clock
-        reading right after the implementation's latest kernel launch) to its last launch, without
-        synchronizing inside; the device is idle before each call and `wait` joins the result afterwards."""
-        times, launches = [], []
+             launched: Optional[Callable[[], float]] = None,
+             before: Optional[Callable[[], None]] = None) -> "HostTimes":
+        """Host time of `iters` calls of `fn` (the call with async_finish=True), each with the device idle before
+        it (after `before`, a barrier that keeps the ranks in step):
+        - calls: seconds from the Python call to its return, nothing synchronized inside;
+        - launches (with `launched`, the time.perf_counter clock reading right after the implementation's
+          latest kernel launch): seconds from the Python call to its last launch;
+        - results: seconds from the Python call until its result is ready: the call returned and the device
+          synchronized (on cpu, the call's return).
+        `wait` joins the call's event afterwards, outside the clocks."""
+        out = HostTimes([], [], [])
         for _ in range(iters):
+            if before is not None:
+                before()
             if self.cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             r = fn()
-            times.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            if self.cuda:
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            # The stamp is read after the clocks stop: synchronizing launches nothing.
             if launched is not None:
-                launches.append(launched() - t0)
+                out.launches.append(launched() - t0)
+            out.calls.append(t1 - t0)
+            out.results.append(t2 - t0)
             wait(r)
         if self.cuda:
             torch.cuda.synchronize()
-        return times, launches
+        return out
+
+
+class HostTimes(NamedTuple):
+    """Seconds of each host-timed call (see Timer.host); launches is empty without a launch stamp."""
+    calls: List[float]
+    launches: List[float]
+    results: List[float]
