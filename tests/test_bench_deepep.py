@@ -363,3 +363,62 @@ def test_placement_finds_shared_gpus(group, monkeypatch):
         gpus.placement("cpu", group)
     monkeypatch.setenv("PYEP_BACKEND", "cpu")
     assert not gpus.placement("auto", group).cuda
+
+
+RUNNER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "deepep", "run_deepep_test.sh")
+# Stands in for one of DeepEP's tests: what it imports, and which init_dist its utils.py ended up with.
+FAKE_TEST = textwrap.dedent('''
+    import argparse, inspect, os, sys
+    import deep_ep, pyep
+    from utils import init_dist
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-processes", type=int, default=8)
+    parser.parse_args()
+    assert deep_ep is pyep and deep_ep.Buffer.is_sm90_compiled()
+    source = inspect.getsource(init_dist)
+    print("init_dist:", "shared" if "PYEP_BACKEND" in source and "gloo" in source else init_dist(0, 1))
+    sys.exit(int(os.environ.get("FAKE_TEST_EXIT", "0")))
+''')
+
+
+def test_run_deepep_test_script(group, tmp_path):
+    """bench/deepep/run_deepep_test.sh on a stand-in tests/ directory (no GPU needed: NUM_GPUS says 1)."""
+    import subprocess
+    if group.rank() != 0:
+        pytest.skip("runs on rank 0 only")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    original = "def init_dist(local_rank, num_local_ranks):\n    return 'deepep'\n"
+    (tests / "utils.py").write_text(original)
+    (tests / "test_intranode.py").write_text(FAKE_TEST)
+    env = dict(os.environ, NUM_GPUS="1", TMPDIR=str(tmp_path))
+    env.pop("PYEP_BACKEND", None)
+
+    def run(*args, status=0):
+        log = tmp_path / "logs" / "log.txt"
+        p = subprocess.run(["bash", RUNNER, str(tests), str(log), "test_intranode.py", *args],
+                           env=dict(env, FAKE_TEST_EXIT=str(status)), capture_output=True, text=True, timeout=120)
+        return p.returncode, log.read_text() if log.exists() else "", p.stderr + p.stdout
+
+    rc, log, err = run("--num-processes", "2")
+    assert rc == 0, err
+    assert "init_dist: shared" in log and "ranks share GPUs" in log and "exited with status 0" in log
+    rc, log, err = run("--num-processes=1")
+    assert rc == 0, err
+    assert "init_dist: deepep" in log and "a GPU a rank" in log
+    rc, log, err = run("--num-processes", "4", status=3)  # the test's exit status comes back
+    assert rc == 3 and "init_dist: shared" in log and "exited with status 3" in log
+    assert (tests / "utils.py").read_text() == original  # DeepEP's files are copied, never changed
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("deepep-tests.")]  # the copies are removed
+    p = subprocess.run(["bash", RUNNER, str(tests)], env=env, capture_output=True, text=True)
+    assert p.returncode == 2 and "usage" in p.stderr
+
+
+def test_deep_ep_shim_is_pyep(tmp_path):
+    """PYTHONPATH=bench/deepep makes `import deep_ep` (and `from deep_ep import ...`) give pyep."""
+    import subprocess
+    shim = os.path.join(os.path.dirname(RUNNER))
+    code = "import deep_ep, pyep; from deep_ep import Buffer, Config; assert deep_ep is pyep and Buffer is pyep.Buffer"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")])))
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
