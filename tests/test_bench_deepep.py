@@ -16,6 +16,8 @@ import pytest
 from pyep.bench import baseline, deepep_runner, gpus
 import pyep.bench as bench
 
+_PYEP_BACKEND_AT_IMPORT = os.environ.get("PYEP_BACKEND")
+
 # DeepEP V1's Python surface (deep_ep/__init__.py, buffer.py, utils.py and the deep_ep_cpp names it re-exports),
 # each forwarded to pyep or refused; nothing else is reachable without a leading underscore.
 FAKE_DEEP_EP = textwrap.dedent('''
@@ -310,7 +312,8 @@ def test_gpu_placement():
 
 
 def test_claim_cuda_backend(monkeypatch):
-    monkeypatch.delenv("PYEP_BACKEND", raising=False)
+    # setenv, not delenv: monkeypatch then removes what claim_cuda_backend sets (the other tests run on cpu).
+    monkeypatch.setenv("PYEP_BACKEND", "")
     gpus.claim_cuda_backend()
     assert os.environ["PYEP_BACKEND"] == "cuda"
     monkeypatch.setenv("PYEP_BACKEND", "cpu")
@@ -335,11 +338,11 @@ def test_join_shares_gpus(monkeypatch):
     taken = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", taken.append)
-    monkeypatch.delenv("PYEP_BACKEND", raising=False)
+    monkeypatch.setenv("PYEP_BACKEND", "")  # undone at the end, whatever _join sets
     assert launch._join(3, 4, True) == "gloo" and taken == [0] and os.environ["PYEP_BACKEND"] == "cuda"
-    monkeypatch.delenv("PYEP_BACKEND")
+    monkeypatch.setenv("PYEP_BACKEND", "")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert launch._join(1, 2, True) == "nccl" and taken == [0, 1] and "PYEP_BACKEND" not in os.environ
+    assert launch._join(1, 2, True) == "nccl" and taken == [0, 1] and os.environ["PYEP_BACKEND"] == ""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert launch._join(0, 2, False) == "gloo" and taken == [0, 1]
 
@@ -422,3 +425,8 @@ def test_deep_ep_shim_is_pyep(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")])))
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+def test_backend_env_restored():
+    """The tests above leave PYEP_BACKEND as they found it (pyep's other tests pick their backend by it)."""
+    assert os.environ.get("PYEP_BACKEND") == _PYEP_BACKEND_AT_IMPORT
