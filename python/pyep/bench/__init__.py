@@ -9,14 +9,16 @@ Launch:
     torchrun --nproc-per-node 8 -m pyep.bench       # each rank a torchrun process
 
 With GPUs every rank takes its GPU (`torch.cuda.set_device(local_rank)`) in an NCCL group (the cuda
-backend); without, a gloo group and CPU tensors (the cpu backend). See bench/README.md for the metrics,
-flags and outputs, and `python -m pyep.bench --help`.
+backend); where ranks outnumber GPUs they share them (GPU local_rank % count, a gloo group, PYEP_BACKEND=cuda;
+figures for correctness, not speed); without GPUs, a gloo group and CPU tensors (the cpu backend). See
+bench/README.md for the metrics, flags and outputs, and `python -m pyep.bench --help`.
 
 In code: `main(argv)` (returns the report on rank 0 or in the launching process, None elsewhere), or
 `run(args, group)` inside a process group that already exists (args from `parse_args`).
 
-Modules: plan (command line, cases), inputs (routing, data), timing, ep_runner (the Buffer API driver),
-deepep_runner, baseline, env, sweep (the run), report (merge, table, JSON, tuning), plots, launch.
+Modules: plan (command line, cases), inputs (routing, data), timing, ep_runner (the driver of DeepEP V1's
+Buffer API), pyep_runner, deepep_runner, baseline, gpus (ranks on GPUs, MPS), env, sweep (the run), report
+(merge, table, JSON, tuning), plots, launch.
 """
 from .launch import main
 from .plan import (BASELINE_OPS, FABRIC_OPS, FP8_FACTOR, IMPLS, OPS, REFERENCE, TUNE_KINDS, Case, Plan,
