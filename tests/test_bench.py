@@ -39,7 +39,8 @@ def test_bench_json(tiny_report):
     assert on_disk == report
     assert report["schema"] == bench.SCHEMA
     env = report["env"]
-    for key in ("hostname", "date", "torch", "pyep", "gpu", "driver", "cuda", "nccl", "deep_ep", "num_ranks", "backend"):
+    for key in ("hostname", "date", "torch", "pyep", "gpu", "driver", "cuda", "nccl", "deep_ep", "num_ranks", "backend",
+                "gpu_sharing", "mps"):
         assert key in env, key
     assert env["backend"] == "cpu" and env["num_ranks"] == 2 and env["pyep"] == pyep.__version__
     assert "deepep" in report["skipped"] and env["deep_ep"]["skipped"]
@@ -56,7 +57,7 @@ def test_bench_json(tiny_report):
         assert 0 < r["time_us_min"] <= r["time_us_avg"] <= r["time_us_max"]
         for p in r["per_rank"]:
             assert len(p["times_us"]) == 1 and p["min_us"] == p["median_us"] == p["max_us"] > 0
-            assert p["host_us"] > 0
+            assert 0 < p["host_us"] <= p["result_us"]  # the result is ready once the call returns on cpu
             assert p["launch_us"] is None  # the cpu backend launches no kernels
             if op == "layout":  # no bytes; pyep's layout is measured without a dispatch, so without recv_tokens
                 assert p["bytes"] == 0 and p["gbps"] is None
@@ -65,6 +66,7 @@ def test_bench_json(tiny_report):
             factor = bench.FP8_FACTOR if op == "dispatch_fp8" else 1
             assert p["bytes"] == int(p["recv_tokens"] * 256 * 2 * factor)
             assert p["gbps"] == pytest.approx(p["bytes"] / 1e9 / (p["median_us"] / 1e6), rel=1e-2, abs=1e-3)
+        assert r["result_us_avg"] >= r["host_us_avg"] > 0 and r["launch_us_avg"] is None
         if op == "layout":
             assert r["gbps_avg"] is None and r["num_sms"] is None
         else:
@@ -77,7 +79,7 @@ def test_bench_json(tiny_report):
     for rk in range(2):
         assert (results[("pyep", "dispatch_bf16")]["per_rank"][rk]["recv_tokens"]
                 == results[("baseline", "dispatch_bf16")]["per_rank"][rk]["recv_tokens"])
-    assert "dispatch_bf16" in table and "baseline" in table
+    assert "dispatch_bf16" in table and "baseline" in table and "result" in table
 
 
 def test_bench_replot(tiny_report, tmp_path):
@@ -167,10 +169,10 @@ def test_tuning_default_path(monkeypatch):
 
 
 def test_bench_lists_and_plan():
-    assert bench._int_list("128:1024:x2") == [128, 256, 512, 1024]
-    assert bench._int_list("8:24:4") == [8, 12, 16, 20, 24]
-    assert bench._int_list("2048,4096,2048") == [2048, 4096]
-    assert bench._chunk_list("default,4,8") == [None, 4, 8]
+    assert bench.plan._int_list("128:1024:x2") == [128, 256, 512, 1024]
+    assert bench.plan._int_list("8:24:4") == [8, 12, 16, 20, 24]
+    assert bench.plan._int_list("2048,4096,2048") == [2048, 4096]
+    assert bench.plan._chunk_list("default,4,8") == [None, 4, 8]
     args = bench.parse_args(["--tokens", "128,4096", "--hidden", "2048,7168", "--sms", "8,24", "--experts", "250"])
     plan = bench.make_plan(args, "cuda", 8)
     assert plan.reference == {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 248, "num_sms": 24,

@@ -1,0 +1,247 @@
+"""The sweep's plan: the command line, the presets, and the cases they make."""
+import argparse
+import itertools
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+from .. import tuning
+
+OPS = ("layout", "dispatch_bf16", "dispatch_fp8", "dispatch_cached", "combine_bf16")
+# The NCCL all_to_all_single alone of a dispatch's BF16 rows, already in send order: what the fabric gives this
+# traffic through NCCL, a reference for dispatch and combine rather than code a user would run.
+FABRIC_OPS = ("alltoall_bf16",)
+IMPLS = ("pyep", "baseline", "deepep")
+# The baseline has no cached dispatch: its split sizes are already known on the host.
+BASELINE_OPS = ("layout", "dispatch_bf16", "dispatch_fp8", "combine_bf16") + FABRIC_OPS
+# FP8 dispatch moves 1-byte elements plus one float32 scale per 128: DeepEP counts it as BF16 bytes times this.
+FP8_FACTOR = (1 + 4 / 128) / 2
+# Tuning: which measured op stands for which kind of a tuning file.
+TUNE_KINDS = {"dispatch_bf16": "dispatch", "dispatch_fp8": "dispatch_fp8", "combine_bf16": "combine"}
+
+# The reference case (DeepEP's tests/test_intranode.py): 4096 tokens a rank, hidden 7168, top-8 of 256, 24 SMs.
+REFERENCE = {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "num_sms": 24}
+
+# Sweep lists of each preset and backend; None in the chunk lists: the op's recommended (get_*_config) value.
+_SWEEPS = {
+    ("quick", "cuda"): dict(tokens=[4096], hidden=[7168], topk=[8], experts=[256], sms=[24], nvl_send=[None], nvl_recv=[None]),
+    # The cpu backend copies with goroutines; the reference 4096 x 7168 takes long, the quick case is smaller.
+    ("quick", "cpu"): dict(tokens=[1024], hidden=[2048], topk=[8], experts=[256], sms=[24], nvl_send=[None], nvl_recv=[None]),
+    ("sweep", "cuda"): dict(tokens=[128 << i for i in range(7)], hidden=[2048, 4096, 7168], topk=[8], experts=[256],
+                            sms=[8, 12, 16, 20, 24], nvl_send=[None], nvl_recv=[None]),
+    ("sweep", "cpu"): dict(tokens=[128 << i for i in range(5)], hidden=[2048, 4096, 7168], topk=[8], experts=[256],
+                           sms=[8, 16, 24], nvl_send=[None], nvl_recv=[None]),
+    ("tune", "cuda"): dict(tokens=[4096], hidden=[2048, 4096, 7168], topk=[8], experts=[256], sms=[8, 12, 16, 20, 24],
+                           nvl_send=[None, 1, 2, 4, 6, 8, 12, 16, 24, 32], nvl_recv=[None]),
+    ("tune", "cpu"): dict(tokens=[1024], hidden=[2048], topk=[8], experts=[256], sms=[8, 16, 24],
+                          nvl_send=[None, 4, 8, 16, 32], nvl_recv=[None]),
+}
+_ITERS = {"cuda": dict(warmup=20, iters=50, host_iters=10), "cpu": dict(warmup=1, iters=5, host_iters=2)}
+_NOTES = {("quick", "cpu"): "cpu backend: --quick uses 1024 tokens x hidden 2048 instead of the reference 4096 x 7168 "
+                            "(pass --tokens/--hidden to change)"}
+
+
+# ---- command line ------------------------------------------------------------------------------------------
+
+def _int_list(text: str, allow_default: bool = False) -> List[Optional[int]]:
+    """Parses "1,2,4", "8:24:4" (inclusive, step 4), "128:8192:x2" (doubling); "default" for None."""
+    out: List[Optional[int]] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if allow_default and part in ("default", "auto", "none"):
+            out.append(None)
+        elif ":" in part:
+            bits = part.split(":")
+            if len(bits) not in (2, 3):
+                raise argparse.ArgumentTypeError(f"{part!r}: expected START:STOP[:STEP] or START:STOP:xFACTOR")
+            start, stop = int(bits[0]), int(bits[1])
+            step = bits[2] if len(bits) == 3 else "1"
+            if step.startswith("x"):
+                factor = int(step[1:])
+                if factor < 2 or start <= 0:
+                    raise argparse.ArgumentTypeError(f"{part!r}: a factor needs START > 0 and FACTOR >= 2")
+                v = start
+                while v <= stop:
+                    out.append(v)
+                    v *= factor
+            else:
+                if int(step) <= 0:
+                    raise argparse.ArgumentTypeError(f"{part!r}: STEP must be positive")
+                out.extend(range(start, stop + 1, int(step)))
+        else:
+            out.append(int(part))
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: empty list")
+    return list(dict.fromkeys(out))
+
+
+def _chunk_list(text: str) -> List[Optional[int]]:
+    return _int_list(text, allow_default=True)
+
+
+def _name_list(choices: Sequence[str]) -> Callable[[str], List[str]]:
+    def parse(text: str) -> List[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of {', '.join(choices)}")
+        return names
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pyep.bench",
+        description="Benchmark pyep's normal-mode dispatch/combine against an all_to_all_single baseline and DeepEP.",
+        epilog="Lists: 1,2,4 or START:STOP[:STEP] (inclusive) or START:STOP:xFACTOR; chunk lists also take 'default'. "
+               "Without --quick/--full/--tune the sweep varies one thing at a time around the reference case "
+               "(tokens x hidden, SMs x hidden, top-k x experts, send x recv chunks). See bench/README.md.")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="the reference case only: 4096 tokens, hidden 7168, top-8 of 256 experts, 24 SMs (smaller on cpu)")
+    mode.add_argument("--full", action="store_true", help="the full product of every list")
+    mode.add_argument("--tune", action="store_true", help="sweep SMs x NVL chunks for pyep and write the tuning file")
+    p.add_argument("--tokens", type=_int_list, help="tokens per rank (default 128:8192:x2 on GPU, 128:2048:x2 on cpu)")
+    p.add_argument("--hidden", type=_int_list, help="hidden sizes (default 2048,4096,7168)")
+    p.add_argument("--topk", type=_int_list, help="experts per token (default 8)")
+    p.add_argument("--experts", type=_int_list, help="total experts, rounded down to a multiple of the ranks (default 256)")
+    p.add_argument("--sms", type=_int_list, help="SM counts, even (default 8:24:4 on GPU, 8,16,24 on cpu)")
+    p.add_argument("--nvl-send", type=_chunk_list, dest="nvl_send", help="Config num_max_nvl_chunked_send_tokens values ('default': the op's recommended)")
+    p.add_argument("--nvl-recv", type=_chunk_list, dest="nvl_recv", help="Config num_max_nvl_chunked_recv_tokens values ('default': the op's recommended)")
+    p.add_argument("--ops", type=_name_list(OPS + FABRIC_OPS),
+                   help=f"operations to measure (default all: {','.join(OPS + FABRIC_OPS)})")
+    p.add_argument("--impls", type=_name_list(IMPLS), help="implementations (default pyep,baseline,deepep; pyep with --tune)")
+    p.add_argument("--mask-ratio", type=float, default=0.0, dest="mask_ratio", help="fraction of top-k choices set to -1 (default 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, help="untimed calls before timing (default 20 on GPU, 1 on cpu)")
+    p.add_argument("--iters", type=int, help="timed calls per measurement (default 50 on GPU, 5 on cpu)")
+    p.add_argument("--host-iters", type=int, dest="host_iters", help="calls timed on the host (async_finish=True) (default 10 on GPU, 2 on cpu; 0: skip)")
+    p.add_argument("--flush-mb", type=int, default=256, dest="flush_mb", help="MiB written between timed GPU iterations to flush L2 (default 256)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="cuda (NCCL; gloo where ranks share a GPU) or cpu (gloo) backend (default: cuda if GPUs)")
+    p.add_argument("--nprocs", type=int, help="ranks to spawn when not under torchrun (default: GPU count, or 4 on cpu); "
+                   "more ranks than GPUs share them (rank i on GPU i %% count, a gloo group): correctness, not speed")
+    p.add_argument("--spawn", action="store_true", help="spawn ranks even if torchrun's environment or a process group is present")
+    p.add_argument("--out", help="output folder (default bench/results/<host>-<timestamp>/)")
+    p.add_argument("--no-plots", action="store_true", dest="no_plots", help="skip the PNG plots")
+    p.add_argument("--replot", metavar="DIR", help="measure nothing: draw the PNG plots of DIR/results.json (a run on a "
+                   "machine without matplotlib) into DIR and record them there")
+    p.add_argument("--tuning-file", dest="tuning_file", help=f"where --tune writes (default ${tuning.ENV_FILE} or ~/.cache/pyep/tuning/<gpu>-<ranks>.json)")
+    p.add_argument("--timeout", type=float, default=600, help="process group timeout, seconds (default 600)")
+    p.add_argument("--quiet", action="store_true", help="no table rows or progress on stdout/stderr (JSON and files only)")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    for name in ("warmup", "iters", "host_iters", "nprocs"):
+        v = getattr(args, name)
+        if v is not None and v < (1 if name in ("iters", "nprocs") else 0):
+            raise SystemExit(f"--{name.replace('_', '-')} = {v}: out of range")
+    if not 0 <= args.mask_ratio < 1:
+        raise SystemExit(f"--mask-ratio = {args.mask_ratio}: expected 0 <= r < 1")
+    return args
+
+
+# ---- the sweep ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    """One point of the sweep. nvl_send/nvl_recv None: the op's recommended value (Buffer.get_*_config)."""
+    tokens: int
+    hidden: int
+    topk: int
+    experts: int
+    num_sms: int
+    nvl_send: Optional[int] = None
+    nvl_recv: Optional[int] = None
+
+    def sort_key(self):
+        return (self.experts, self.topk, self.tokens, self.hidden, self.num_sms,
+                -1 if self.nvl_send is None else self.nvl_send, -1 if self.nvl_recv is None else self.nvl_recv)
+
+
+@dataclass
+class Plan:
+    mode: str            # quick | sweep | full | tune
+    backend: str         # cuda | cpu
+    lists: dict
+    reference: dict
+    cases: List[Case]
+    ops: List[str]
+    impls: List[str]
+    warmup: int
+    iters: int
+    host_iters: int
+    notes: List[str]
+
+
+def _reference(values: list, preferred):
+    """The reference value of a dimension: the list's value nearest the reference case's (None, the
+    recommended chunk size, if the list holds it, else the first)."""
+    if preferred in values:
+        return preferred
+    if preferred is None or any(v is None for v in values):
+        return values[0]
+    return min(values, key=lambda v: (abs(v - preferred), -v))
+
+
+def make_plan(args: argparse.Namespace, backend: str, num_ranks: int) -> Plan:
+    """Resolves presets, explicit lists and the sweep mode into the list of cases."""
+    mode = "quick" if args.quick else "tune" if args.tune else "full" if args.full else "sweep"
+    preset = _SWEEPS[("quick" if mode == "quick" else "tune" if mode == "tune" else "sweep", backend)]
+    notes = []
+    lists = {}
+    for dim in ("tokens", "hidden", "topk", "experts", "sms", "nvl_send", "nvl_recv"):
+        given = getattr(args, dim)
+        lists[dim] = list(given) if given is not None else list(preset[dim])
+    note = _NOTES.get((mode, backend))
+    if note and (args.tokens is None or args.hidden is None):
+        notes.append(note)
+    experts = []
+    for e in lists["experts"]:
+        eff = max(num_ranks, e // num_ranks * num_ranks)
+        if eff != e:
+            notes.append(f"experts {e} -> {eff}: a multiple of the {num_ranks} ranks")
+        experts.append(eff)
+    lists["experts"] = list(dict.fromkeys(experts))
+    for name in ("tokens", "hidden", "topk"):
+        if min(lists[name]) <= 0:
+            raise SystemExit(f"--{name}: values must be positive")
+    if max(lists["topk"]) > min(lists["experts"]):
+        raise SystemExit(f"--topk {max(lists['topk'])}: more than the {min(lists['experts'])} experts")
+
+    ref = {"tokens": _reference(lists["tokens"], REFERENCE["tokens"]),
+           "hidden": _reference(lists["hidden"], REFERENCE["hidden"]),
+           "topk": _reference(lists["topk"], REFERENCE["topk"]),
+           "experts": _reference(lists["experts"], REFERENCE["experts"]),
+           "num_sms": _reference(lists["sms"], REFERENCE["num_sms"]),
+           "nvl_send": _reference(lists["nvl_send"], None),
+           "nvl_recv": _reference(lists["nvl_recv"], None)}
+
+    def case(tokens=None, hidden=None, topk=None, experts=None, num_sms=None, nvl_send="ref", nvl_recv="ref"):
+        return Case(tokens or ref["tokens"], hidden or ref["hidden"], topk or ref["topk"], experts or ref["experts"],
+                    num_sms or ref["num_sms"], ref["nvl_send"] if nvl_send == "ref" else nvl_send,
+                    ref["nvl_recv"] if nvl_recv == "ref" else nvl_recv)
+
+    L = lists
+    if mode in ("full", "tune"):
+        cases = [Case(*c) for c in itertools.product(L["tokens"], L["hidden"], L["topk"], L["experts"], L["sms"],
+                                                      L["nvl_send"], L["nvl_recv"])]
+    else:
+        # One thing at a time around the reference (each pair that a plot needs varies together).
+        cases = [case(tokens=t, hidden=h) for t in L["tokens"] for h in L["hidden"]]
+        cases += [case(num_sms=s, hidden=h) for s in L["sms"] for h in L["hidden"]]
+        cases += [case(topk=k, experts=e) for k in L["topk"] for e in L["experts"]]
+        cases += [case(nvl_send=s, nvl_recv=r) for s in L["nvl_send"] for r in L["nvl_recv"]]
+    cases = sorted(dict.fromkeys(cases), key=Case.sort_key)
+
+    impls = list(args.impls) if args.impls else (["pyep"] if mode == "tune" else list(IMPLS))
+    ops = list(args.ops) if args.ops else (list(TUNE_KINDS) if mode == "tune" else list(OPS + FABRIC_OPS))
+    if mode == "tune" and "pyep" not in impls:
+        raise SystemExit("--tune measures pyep: include it in --impls")
+    it = _ITERS[backend]
+    return Plan(mode=mode, backend=backend, lists=lists, reference=ref, cases=cases, ops=ops, impls=impls,
+                warmup=it["warmup"] if args.warmup is None else args.warmup,
+                iters=it["iters"] if args.iters is None else args.iters,
+                host_iters=it["host_iters"] if args.host_iters is None else args.host_iters, notes=notes)

@@ -1,0 +1,265 @@
+"""The run: every case's measurements on every rank, failures agreed on by all ranks."""
+import argparse
+import os
+import statistics
+import time
+import traceback
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+import pyep
+from . import baseline as baseline_mod, deepep_runner
+from .baseline import Baseline
+from .deepep_runner import DeepEPRunner, _import_deepep
+from .env import environment
+from .ep_runner import EPRunner
+from .gpus import SHARED_NOTE, Placement, placement
+from .inputs import make_routing, make_x
+from .plan import Case, Plan, make_plan
+from .report import Progress, Table, _bytes_of, _err, _finish, _merge, _us, default_out_dir
+from .pyep_runner import PyepRunner
+from .timing import Timer
+
+
+def _agree(group: dist.ProcessGroup, error: Optional[str]) -> Optional[str]:
+    """Every rank's error (or None) to every rank: the first one, named by rank, or None if all succeeded."""
+    gathered: List[Optional[str]] = [None] * group.size()
+    dist.all_gather_object(gathered, error, group=group)
+    for r, e in enumerate(gathered):
+        if e:
+            return f"rank {r}: {e}"
+    return None
+
+
+def _barrier(group: dist.ProcessGroup, where: Placement) -> None:
+    if where.nccl:
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier(group=group)
+
+
+def _sync(group: dist.ProcessGroup, where: Placement) -> None:
+    if where.cuda:
+        torch.cuda.synchronize()
+    _barrier(group, where)
+
+
+def _median_us(seconds: List[float]) -> Optional[float]:
+    return _us(statistics.median(seconds)) if seconds else None
+
+
+def _record(impl, case: Case, op: str, rank: int, **fields) -> dict:
+    """A rank's record of one measurement: what was measured (layout has no SMs or chunks; the baseline no
+    Config) and, in fields, the numbers or the error."""
+    ep = isinstance(impl, EPRunner) and op != "layout"
+    rec = dict(impl=impl.name, op=op, tokens=case.tokens, hidden=case.hidden, topk=case.topk, experts=case.experts,
+               num_sms=case.num_sms if ep else None, nvl_send=case.nvl_send if ep else None,
+               nvl_recv=case.nvl_recv if ep else None, config=None, error=None, rank=rank)
+    rec.update(fields)
+    return rec
+
+
+def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple[list, Dict[str, str], dict]:
+    """The implementations that can run on every rank, those skipped (with why), and DeepEP's import info."""
+    R = group.size()
+    skipped: Dict[str, str] = {}
+    deepep_mod, deepep_info = None, {"version": None, "skipped": "not requested"}
+    if "deepep" in plan.impls:
+        why = deepep_runner.why_not(where.cuda, where.shared, R, where.gpus)
+        if why is None:
+            deepep_mod, deepep_info = _import_deepep()
+        else:
+            deepep_info = {"version": None, "skipped": why}
+        why = _agree(group, deepep_info["skipped"] if deepep_mod is None else None)
+        if why:
+            skipped["deepep"] = why
+            deepep_mod = None
+    if "baseline" in plan.impls:
+        why = baseline_mod.why_not(where.cuda, where.nccl, where.shared)
+        if why:
+            skipped["baseline"] = why
+    impls = []
+    for name in plan.impls:
+        if name in skipped:
+            continue
+        err, impl = None, None
+        try:
+            if name == "baseline":
+                impl = Baseline(group)
+            else:
+                impl = PyepRunner(group) if name == "pyep" else DeepEPRunner(deepep_mod, group)
+                impl.open(plan.cases)
+        except Exception as e:  # noqa: BLE001 - recorded and skipped on every rank
+            err = _err(e)
+            if os.environ.get("PYEP_BENCH_DEBUG"):
+                traceback.print_exc()
+        why = _agree(group, err)
+        if why:
+            skipped[name] = why
+            if impl is not None:
+                impl.close()
+        else:
+            impls.append(impl)
+    return impls, skipped, deepep_info
+
+
+def _measure(impl, case: Case, ops: List[str], data: dict, plan: Plan, timer: Timer, group: dist.ProcessGroup,
+             where: Placement) -> List[dict]:
+    """This rank's records of `ops` of one implementation in one case. Every failure is agreed on by all ranks,
+    so that they go on (or skip) together. `layout` is prepared apart (it needs no dispatch), so that it is
+    measured even where dispatch fails."""
+    records = []
+    stages = [[op for op in ops if op == "layout"], [op for op in ops if op != "layout"]]
+    for full, stage in zip((False, True), stages):
+        if stage:
+            records += _measure_stage(impl, case, stage, full, data, plan, timer, group, where)
+    return records
+
+
+def _measure_stage(impl, case: Case, ops: List[str], full: bool, data: dict, plan: Plan, timer: Timer,
+                   group: dist.ProcessGroup, where: Placement) -> List[dict]:
+    rank = group.rank()
+    st, err = None, None
+    try:
+        _sync(group, where)
+        st = impl.prepare(case, data, full)
+    except Exception as e:  # noqa: BLE001 - recorded for this impl and case
+        err = _err(e)
+    why = _agree(group, err)
+    if why:
+        return [_record(impl, case, op, rank, error=f"prepare: {why}") for op in ops]
+    records = []
+    for op in ops:
+        fields: dict = {}
+        err = None
+        try:
+            call, host_call, wait, rc = impl.op(op, case, data, st)
+            fields["config"] = list(rc.fields) if rc is not None else None
+            _sync(group, where)
+            times = timer.run(call, plan.warmup, plan.iters)
+            host = timer.host(host_call, wait, plan.host_iters, getattr(impl, "launched", None),
+                              before=lambda: _barrier(group, where))
+            med = statistics.median(times)
+            nbytes = _bytes_of(op, st["recv_tokens"], case.hidden)
+            fields.update(median_us=_us(med), min_us=_us(min(times)), max_us=_us(max(times)),
+                          times_us=[_us(t) for t in times], host_us=_median_us(host.calls),
+                          launch_us=_median_us(host.launches), result_us=_median_us(host.results),
+                          recv_tokens=st["recv_tokens"], bytes=nbytes,
+                          gbps=round(nbytes / 1e9 / med, 3) if nbytes and med > 0 else None)
+        except Exception as e:  # noqa: BLE001 - recorded for this op and case
+            err = _err(e)
+            if os.environ.get("PYEP_BENCH_DEBUG"):
+                traceback.print_exc()
+        why = _agree(group, err)
+        if why:
+            fields = {"config": fields.get("config"), "error": why}
+        records.append(_record(impl, case, op, rank, **fields))
+    return records
+
+
+def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> Optional[dict]:
+    """
+    Runs the benchmark in every rank of an existing process group (gloo: cpu backend; NCCL: cuda backend,
+    each rank on its current device; gloo with PYEP_BACKEND=cuda: cuda backend, ranks that may share GPUs).
+    Collective: every rank calls it with the same args.
+
+    Returns:
+        report: the report written to results.json on rank 0; None on other ranks.
+    """
+    group = group or dist.group.WORLD
+    rank, R = group.rank(), group.size()
+    where = placement(args.device, group)
+    device, cuda = where.device, where.cuda
+    plan = make_plan(args, where.backend, R)
+    if where.shared:
+        plan.notes.append(SHARED_NOTE)
+    lead = rank == 0
+    show = lead and not args.quiet
+    impls, skipped, deepep_info = _make_impls(plan, group, where)
+    plan.notes += [impl.note for impl in impls if getattr(impl, "note", None)]
+
+    env = environment(where, group, deepep_info) if lead else None
+    out_dir = None
+    if lead:
+        out_dir = args.out or default_out_dir()
+        os.makedirs(out_dir, exist_ok=True)
+    table = Table()
+    lines: List[str] = []
+    progress = Progress(len(plan.cases), show)
+
+    def emit(line: str) -> None:
+        lines.append(line)
+        if show:
+            progress.write(line)
+
+    if lead:
+        emit(f"pyep {pyep.__version__} bench: {where.describe(R, env.get('gpu'))}, {plan.mode}: {len(plan.cases)} cases, "
+             f"ops {','.join(plan.ops)}, impls {','.join(i.name for i in impls) or 'none'}, "
+             f"warmup {plan.warmup}, iters {plan.iters}, host iters {plan.host_iters}")
+        for name, why in skipped.items():
+            emit(f"skipped {name}: {why}")
+        for note in plan.notes:
+            emit(f"note: {note}")
+        emit(table.header())
+
+    timer = Timer(device, args.flush_mb)
+    done = set()
+    results: List[dict] = []
+    data: dict = {}
+    data_key: dict = {}
+    t_start = time.perf_counter()
+    for case in plan.cases:
+        # Inputs, regenerated only when their shape changes (cases are sorted for that).
+        rkey = (case.tokens, case.experts, case.topk)
+        if data_key.get("routing") != rkey:
+            data["topk_idx"], data["topk_weights"] = make_routing(case.tokens, case.experts, case.topk, rank,
+                                                                  args.seed, args.mask_ratio, device)
+            data_key["routing"] = rkey
+        xkey = (case.tokens, case.hidden)
+        if data_key.get("x") != xkey:
+            data["x"] = data["fp8"] = None
+            data["x"], data["fp8"] = make_x(case.tokens, case.hidden, rank, args.seed, device)
+            data_key["x"] = xkey
+
+        records: List[dict] = []
+        for impl in impls:
+            todo = []
+            for op in plan.ops:
+                if op not in impl.ops:
+                    continue
+                # What a measurement depends on: layout on the routing only; the baseline not on Configs.
+                if op == "layout":
+                    key = (impl.name, op, case.tokens, case.topk, case.experts)
+                elif isinstance(impl, Baseline):
+                    key = (impl.name, op, case.tokens, case.hidden, case.topk, case.experts)
+                else:
+                    key = (impl.name, op, case)
+                if key not in done:
+                    done.add(key)
+                    todo.append(op)
+            if todo:
+                records += _measure(impl, case, todo, data, plan, timer, group, where)
+
+        gathered: List[Optional[List[dict]]] = [None] * R
+        dist.all_gather_object(gathered, records, group=group)
+        if lead:
+            for i in range(len(records)):
+                merged = _merge([gathered[r][i] for r in range(R)])
+                results.append(merged)
+                emit(table.row(merged))
+        progress.update()
+    progress.close()
+    elapsed = time.perf_counter() - t_start
+    for impl in impls:
+        impl.close()
+    data.clear()
+
+    if not lead:
+        _barrier(group, where)
+        return None
+    try:
+        return _finish(args, plan, env, skipped, results, elapsed, out_dir, table, lines, emit, R, cuda, where.shared)
+    finally:
+        _barrier(group, where)
