@@ -2,6 +2,7 @@ package goep
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"strconv"
 	"time"
@@ -11,11 +12,11 @@ import (
 	"github.com/pyep/pyep/goep/normal"
 )
 
-// The normal-mode operations of a Buffer: layout, notify (the count exchange of a dispatch),
-// dispatch (also cached) and combine. The caller's tensors arrive as DLPack addresses, and the
-// tensors the pyep layer allocated (outputs, a handle's tensors) as data addresses (see
-// Tensors). On the cpu backend the data moves through the peers' shared regions
-// (goep/normal).
+// The normal-mode operations of a Buffer: layout, dispatch (notify, the count exchange, then the
+// data phase; also cached) and combine. Every argument is checked here, once, with the messages
+// users see: the caller's tensors arrive as Descs, the tensors the pyep layer allocated
+// (outputs, a handle's tensors) as data addresses (see Tensors). On the cpu backend the data
+// moves through the peers' shared regions (goep/normal); a NormalEngine (cuda) runs kernels.
 
 // NormalConfig is the intranode part of a Config.
 func (c Config) normal() normal.Config {
@@ -28,11 +29,34 @@ var (
 	i64   = []dlpack.DType{dlpack.I64}
 	f32   = []dlpack.DType{dlpack.F32}
 	bool_ = []dlpack.DType{dlpack.BoolT}
-	// Rows that move as opaque bytes: any element type.
-	anyRow = []dlpack.DType{dlpack.BF16, dlpack.F16, dlpack.F32, dlpack.FP8E4M3, {Code: dlpack.UInt, Bits: 8}, {Code: dlpack.Int, Bits: 8}}
-	// Rows that combine sums.
-	sumRow = []dlpack.DType{dlpack.BF16, dlpack.F16, dlpack.F32}
+	fp8   = []dlpack.DType{dlpack.FP8E4M3}
+	// Rows that dispatch moves (FP8 comes with scales) and combine sums.
+	rowTypes = []dlpack.DType{dlpack.BF16, dlpack.F16, dlpack.F32}
 )
+
+// StreamOrder is how a call orders its work on the communication stream against the caller's
+// stream, DeepEP's stream semantics (cuda; the cpu backend has finished when a call returns).
+// It travels in the call: torch's Stream objects and events cost microseconds more.
+type StreamOrder struct {
+	Stream uintptr // the caller's current stream, a raw CUstream of the buffer's GPU
+	Event  uintptr // previous_event's CUevent, which the call's work waits for (0: none)
+	Flags  int
+}
+
+// Flags of a StreamOrder.
+const (
+	OrderWait     = 1 // the call's work waits for what Stream holds (no previous_event)
+	OrderJoin     = 2 // Stream waits for the call's work (not async_finish)
+	OrderOnComm   = 4 // allocate_on_comm_stream=True, checked against the others
+	OrderPrevious = 8 // previous_event was given
+)
+
+func (o StreamOrder) check() error {
+	if o.Flags&OrderOnComm != 0 && (o.Flags&OrderPrevious == 0 || o.Flags&OrderJoin != 0) {
+		return Argf("allocate_on_comm_stream=True needs previous_event and async_finish=True")
+	}
+	return nil
+}
 
 // opTimeout bounds every wait on a peer: PYEP_TIMEOUT_S seconds, 100 by default.
 var opTimeout = func() time.Duration {
@@ -54,15 +78,15 @@ func (b *Buffer) domain(peers []Region) *normal.Domain {
 
 func (b *Buffer) tensors() *Tensors {
 	if id := b.backend.DeviceID(); id >= 0 {
-		return &Tensors{DeviceType: dlpack.CUDA, DeviceID: id}
+		return &Tensors{Device: DeviceCode(CUDADevice, id), DeviceType: dlpack.CUDA, DeviceID: id}
 	}
-	return &Tensors{DeviceType: dlpack.CPU}
+	return &Tensors{Device: DeviceCode(CPUDevice, -1), DeviceType: dlpack.CPU}
 }
 
 // wrap marks the engine's argument errors as the caller's.
 func wrap(err error) error {
 	if err != nil && errors.Is(err, normal.ErrInvalid) {
-		return &ArgumentError{err.Error()}
+		return &ArgumentError{msg: err.Error()}
 	}
 	return err
 }
@@ -72,6 +96,7 @@ func wrap(err error) error {
 type LayoutOp struct {
 	NumExperts, NumRanks                int
 	TopkIdx, PerRank, PerExpert, InRank dlpack.Tensor
+	Order                               StreamOrder
 }
 
 // NotifyOp is a checked count exchange of a dispatch (see normal.NotifyArgs for the tensors).
@@ -89,6 +114,8 @@ type NotifyOp struct {
 	// Capacity is the rows allocated for a dispatch queued behind this notify
 	// (SpeculativeEngine); 0 for a plain notify.
 	Capacity int
+	// Order is the stream order of the notify and of a dispatch queued behind it.
+	Order StreamOrder
 }
 
 // DispatchOp is a checked dispatch (see normal.DispatchArgs); TopkIdx is absent when cached.
@@ -100,6 +127,7 @@ type DispatchOp struct {
 	RankPrefix, ChannelPrefix                    dlpack.Tensor
 	RecvX, RecvXScales, RecvSrcIdx, RecvTopkIdx  dlpack.Tensor
 	RecvTopkWeights, RecvChannelPrefix, SendHead dlpack.Tensor
+	Order                                        StreamOrder
 }
 
 // CombineOp is a checked combine (see normal.CombineArgs).
@@ -109,11 +137,13 @@ type CombineOp struct {
 	X, TopkWeights, SrcIdx                       dlpack.Tensor
 	RankPrefix, ChannelPrefix, SendHead          dlpack.Tensor
 	Bias0, Bias1, CombinedX, CombinedTopkWeights dlpack.Tensor
+	Order                                        StreamOrder
 }
 
 // NormalEngine runs normal-mode operations on a backend whose memory the host cannot address
 // (cuda kernels); without one, the cpu path runs goep/normal over the mapped regions. peers[i]
-// is NVLink rank i's region as mapped here.
+// is NVLink rank i's region as mapped here. The ops arrive checked; an engine orders its work
+// after and before the caller's stream as their Order says.
 type NormalEngine interface {
 	Layout(a *LayoutOp) error
 	Notify(topo Topology, peers []Region, a *NotifyOp) (int, error)
@@ -146,24 +176,38 @@ func (b *Buffer) engine() (NormalEngine, []Region, error) {
 	return e, peers, nil
 }
 
-// Layout counts, for topk_idx [T, K] (DLPack), the tokens for each rank and expert and which
-// ranks each token goes to, into num_tokens_per_rank [R] and num_tokens_per_expert [E] int32
-// and is_token_in_rank [T, R] bool (data addresses).
-func (b *Buffer) Layout(topkIdx uintptr, numExperts int, perRank, perExpert, inRank uintptr) error {
+// LayoutArgs are get_dispatch_layout's: topk_idx, num_experts, and the outputs
+// num_tokens_per_rank [R], num_tokens_per_expert [E] int32 and is_token_in_rank [T, R] bool
+// (data addresses).
+type LayoutArgs struct {
+	TopkIdx                    Desc
+	NumExperts                 int
+	PerRank, PerExpert, InRank uintptr
+	Order                      StreamOrder
+}
+
+// Layout counts, for topk_idx [T, K], the tokens for each rank and expert and which ranks each
+// token goes to.
+func (b *Buffer) Layout(a *LayoutArgs) error {
 	R := int64(b.topo.NumRanks)
-	if numExperts <= 0 || numExperts%int(R) != 0 {
-		return Argf("num_experts = %d: expected a positive multiple of num_ranks = %d", numExperts, R)
-	}
 	ts := b.tensors()
-	op := &LayoutOp{NumExperts: numExperts, NumRanks: int(R)}
-	op.TopkIdx = ts.Get("topk_idx", topkIdx, false, i64, -1, -1)
-	T := int64(0)
-	if ts.Err == nil {
-		T = op.TopkIdx.Shape[0]
+	topk := ts.Arg("topk_idx", a.TopkIdx, false, i64, -1, -1)
+	switch {
+	case ts.Err != nil:
+		return ts.Err
+	case a.NumExperts < 1:
+		return Argf("num_experts = %d: expected an int >= 1", a.NumExperts)
+	case a.NumExperts%int(R) != 0:
+		return Argf("num_experts = %d: expected a multiple of num_ranks = %d", a.NumExperts, R)
 	}
-	op.PerRank = ts.Own("num_tokens_per_rank", perRank, false, dlpack.I32, R)
-	op.PerExpert = ts.Own("num_tokens_per_expert", perExpert, false, dlpack.I32, int64(numExperts))
-	op.InRank = ts.Own("is_token_in_rank", inRank, false, dlpack.BoolT, T, R)
+	if err := a.Order.check(); err != nil {
+		return err
+	}
+	T := topk.Shape[0]
+	op := &LayoutOp{NumExperts: a.NumExperts, NumRanks: int(R), TopkIdx: topk, Order: a.Order}
+	op.PerRank = ts.Own("num_tokens_per_rank", a.PerRank, false, dlpack.I32, R)
+	op.PerExpert = ts.Own("num_tokens_per_expert", a.PerExpert, false, dlpack.I32, int64(a.NumExperts))
+	op.InRank = ts.Own("is_token_in_rank", a.InRank, false, dlpack.BoolT, T, R)
 	if ts.Err != nil {
 		return ts.Err
 	}
@@ -173,115 +217,337 @@ func (b *Buffer) Layout(topkIdx uintptr, numExperts int, perRank, perExpert, inR
 	if b.backend.DeviceID() >= 0 {
 		return errors.New("get_dispatch_layout is not available on this backend")
 	}
-	return wrap(normal.Layout(Int64s(op.TopkIdx), int(T), int(op.TopkIdx.Shape[1]), numExperts, int(R),
+	return wrap(normal.Layout(Int64s(topk), int(T), int(topk.Shape[1]), a.NumExperts, int(R),
 		Int32s(op.PerRank), Int32s(op.PerExpert), Bools(op.InRank)))
 }
 
-// NotifyArgs are the tensors of a dispatch's count exchange: the layout's and TopkIdx as DLPack
-// addresses, the matrices and NumRecvTokensPerExpert as data addresses.
-type NotifyArgs struct {
-	Config                                              Config
-	NumExperts, ExpertAlignment, NumWorstTokens         int
-	NumTokensPerRank, NumTokensPerExpert, IsTokenInRank uintptr
-	RankPrefixMatrix, ChannelPrefixMatrix               uintptr
-	RecvChannelPrefixMatrix, NumRecvTokensPerExpert     uintptr
-	TopkIdx                                             uintptr // optional: the dispatch's topk_idx
+// DispatchArgs are a dispatch's (not cached): the caller's tensors and settings, and the outputs
+// whose size does not depend on the rows received (the handle's matrices, send_head and the
+// per-expert counts; data addresses).
+type DispatchArgs struct {
+	Config                                       Config
+	ExpertAlignment, NumWorstTokens              int
+	X, XScales, TopkIdx, TopkWeights             Desc
+	PerRank, PerExpert, InRank                   Desc
+	RankPrefix, ChannelPrefix, RecvChannelPrefix uintptr
+	RecvPerExpert, SendHead                      uintptr
+	// Counts is host memory for num_recv_tokens_per_expert as int32s (0: not wanted): the Python
+	// layer's list, which reading the tensor would make wait for the GPU on cuda.
+	Counts uintptr
+	Order  StreamOrder
 }
 
-// Notify exchanges a dispatch's counts with every peer and returns how many rows this rank
-// receives.
-func (b *Buffer) Notify(a NotifyArgs) (int, error) {
-	op, err := b.notifyOp(a)
+// RecvTensors are a dispatch's outputs of one row per received token, Rows of them (data
+// addresses; 0 for those the call has none of).
+type RecvTensors struct {
+	Rows                                     int
+	X, XScales, SrcIdx, TopkIdx, TopkWeights uintptr
+}
+
+// CachedDispatchArgs are a cached dispatch's: x (and its scales), the handle's tensors (data
+// addresses) and sizes, and the outputs.
+type CachedDispatchArgs struct {
+	Config     Config
+	X, XScales Desc
+	// The handle's is_token_in_rank rows, channel_prefix_matrix columns and recv_src_idx rows.
+	NumTokens, NumChannels, NumRecv   int
+	RankPrefix, ChannelPrefix, InRank uintptr
+	RecvX, RecvXScales                uintptr
+	Order                             StreamOrder
+}
+
+// errMultiDomain is what a dispatch across NVLink domains raises (and the Python layer said).
+func (b *Buffer) errMultiDomain() error {
+	if b.topo.NumRDMARanks > 1 {
+		return fmt.Errorf("dispatch across NVLink domains (%d ranks) is not available yet", b.topo.NumRanks)
+	}
+	return nil
+}
+
+// rows checks a dispatch's x: a tensor of rowTypes, or FP8 x[0] with its float32 scales x[1].
+func rows(ts *Tensors, xd, sd Desc) (x, scales dlpack.Tensor) {
+	if sd.NDim == NoneDim {
+		return ts.Arg("x", xd, false, rowTypes, -1, -1), dlpack.Tensor{}
+	}
+	x = ts.Arg("x[0]", xd, false, fp8, -1, -1)
+	if ts.Err != nil {
+		return x, dlpack.Tensor{}
+	}
+	return x, ts.Arg("x[1]", sd, false, f32, x.Shape[0], -1)
+}
+
+// checkDispatch checks a dispatch's arguments, in the order the Python layer did, and returns
+// its notify and its dispatch without the recv tensors.
+func (b *Buffer) checkDispatch(a *DispatchArgs) (*NotifyOp, *DispatchOp, error) {
+	if err := b.errMultiDomain(); err != nil {
+		return nil, nil, err
+	}
+	R, C := int64(b.topo.NumRanks), int64(a.Config.NumChannels())
+	ts := b.tensors()
+	x, scales := rows(ts, a.X, a.XScales)
+	switch {
+	case ts.Err != nil:
+		return nil, nil, ts.Err
+	case a.ExpertAlignment < 1:
+		return nil, nil, Argf("expert_alignment = %d: expected an int >= 1", a.ExpertAlignment)
+	case a.NumWorstTokens < 0:
+		return nil, nil, Argf("num_worst_tokens = %d: expected an int >= 0", a.NumWorstTokens)
+	}
+	if err := a.Order.check(); err != nil {
+		return nil, nil, err
+	}
+	for _, l := range []struct {
+		name string
+		d    Desc
+	}{{"num_tokens_per_rank", a.PerRank}, {"is_token_in_rank", a.InRank}, {"num_tokens_per_expert", a.PerExpert}} {
+		if l.d.NDim == NoneDim {
+			return nil, nil, Argf("%s: required without a handle (from get_dispatch_layout)", l.name)
+		}
+	}
+	T := x.Shape[0]
+	perRank := ts.Arg("num_tokens_per_rank", a.PerRank, false, i32, R)
+	inRank := ts.Arg("is_token_in_rank", a.InRank, false, bool_, T, R)
+	perExpert := ts.Arg("num_tokens_per_expert", a.PerExpert, false, i32, -1)
+	if ts.Err != nil {
+		return nil, nil, ts.Err
+	}
+	E := perExpert.Shape[0]
+	if E == 0 || E%R != 0 {
+		return nil, nil, Argf("num_tokens_per_expert: %d experts, expected a positive multiple of num_ranks = %d", E, R)
+	}
+	if (a.TopkIdx.NDim == NoneDim) != (a.TopkWeights.NDim == NoneDim) {
+		return nil, nil, Argf("topk_idx, topk_weights: pass both or neither")
+	}
+	topk := ts.Arg("topk_idx", a.TopkIdx, true, i64, T, -1)
+	K := int64(0)
+	if topk.Valid {
+		K = topk.Shape[1]
+	}
+	weights := ts.Arg("topk_weights", a.TopkWeights, true, f32, T, K)
+	n := &NotifyOp{Config: a.Config, NumTokens: int(T), NumExperts: int(E), ExpertAlignment: a.ExpertAlignment,
+		NumWorstTokens: a.NumWorstTokens, PerRank: perRank, PerExpert: perExpert, InRank: inRank, TopkIdx: topk, Order: a.Order}
+	n.RankPrefix = ts.Own("rank_prefix_matrix", a.RankPrefix, false, dlpack.I32, R, R)
+	n.ChannelPrefix = ts.Own("channel_prefix_matrix", a.ChannelPrefix, false, dlpack.I32, R, C)
+	n.RecvChannelPrefix = ts.Own("recv_channel_prefix_matrix", a.RecvChannelPrefix, false, dlpack.I32, R, C)
+	n.RecvPerExpert = ts.Own("num_recv_tokens_per_expert", a.RecvPerExpert, false, dlpack.I32, E/R)
+	sendHead := ts.Own("send_head", a.SendHead, false, dlpack.I32, T, R)
+	if ts.Err != nil {
+		return nil, nil, ts.Err
+	}
+	d := &DispatchOp{Config: a.Config, NumTokens: int(T), HiddenBytes: RowBytes(x), ScalesBytes: RowBytes(scales),
+		NumTopk: int(K), NumExperts: int(E), NumWorstTokens: a.NumWorstTokens,
+		X: x, XScales: scales, TopkIdx: topk, TopkWeights: weights, InRank: inRank, RankPrefix: n.RankPrefix,
+		ChannelPrefix: n.ChannelPrefix, RecvChannelPrefix: n.RecvChannelPrefix, SendHead: sendHead, Order: a.Order}
+	return n, d, nil
+}
+
+// withRecv is d with its recv tensors, r.Rows rows at r's addresses.
+func (b *Buffer) withRecv(d *DispatchOp, r RecvTensors) (*DispatchOp, error) {
+	ts := b.tensors()
+	N, H := int64(r.Rows), int64(d.X.Shape[1])
+	c := *d
+	c.RecvX = ts.Own("recv_x", r.X, false, d.X.DType, N, H)
+	if d.XScales.Valid {
+		c.RecvXScales = ts.Own("recv_x_scales", r.XScales, false, dlpack.F32, N, d.XScales.Shape[1])
+	}
+	if d.TopkIdx.Valid || d.SendHead.Valid {
+		c.RecvSrcIdx = ts.Own("recv_src_idx", r.SrcIdx, false, dlpack.I32, N)
+	}
+	if d.NumTopk > 0 {
+		c.RecvTopkIdx = ts.Own("recv_topk_idx", r.TopkIdx, false, dlpack.I64, N, int64(d.NumTopk))
+		c.RecvTopkWeights = ts.Own("recv_topk_weights", r.TopkWeights, false, dlpack.F32, N, int64(d.NumTopk))
+	}
+	return &c, ts.Err
+}
+
+// DispatchNotify checks a dispatch and runs its notify; it returns the rows this rank receives.
+// The data phase follows with DispatchRecv, into recv tensors of that many rows (or
+// num_worst_tokens).
+func (b *Buffer) DispatchNotify(a *DispatchArgs) (int, error) {
+	n, d, err := b.checkDispatch(a)
 	if err != nil {
 		return 0, err
 	}
+	n.Order.Flags &^= OrderJoin // the data phase joins
+	rows, err := b.notify(n)
+	if err != nil {
+		return 0, err
+	}
+	if a.NumWorstTokens > 0 {
+		rows = a.NumWorstTokens
+	}
+	b.setPending(d, rows)
+	return rows, b.copyCounts(n, a.Counts)
+}
+
+// perExpertCounter is what an engine implements that keeps the host's copy of the last notify's
+// num_recv_tokens_per_expert of a region.
+type perExpertCounter interface {
+	RecvPerExpert(r Region) ([]int32, error)
+}
+
+// copyCounts writes num_recv_tokens_per_expert of the notify n that just ran to dst.
+func (b *Buffer) copyCounts(n *NotifyOp, dst uintptr) error {
+	if dst == 0 {
+		return nil
+	}
+	counts := Int32s(n.RecvPerExpert)
+	if pc, ok := b.backend.(perExpertCounter); ok {
+		peers, err := b.Peers()
+		if err != nil {
+			return err
+		}
+		if counts, err = pc.RecvPerExpert(peers[b.topo.NVLRank]); err != nil {
+			return err
+		}
+	}
+	copy(unsafe.Slice((*int32)(dlpack.Pointer(dst)), len(counts)), counts)
+	return nil
+}
+
+func (b *Buffer) notify(n *NotifyOp) (int, error) {
 	eng, peers, err := b.engine()
 	if err != nil {
 		return 0, err
 	}
 	if eng != nil {
-		n, err := eng.Notify(b.topo, peers, op)
-		return n, wrap(err)
+		rows, err := eng.Notify(b.topo, peers, n)
+		return rows, wrap(err)
 	}
 	res, err := normal.Notify(b.domain(peers), &normal.NotifyArgs{
-		Config: a.Config.normal(), NumTokens: op.NumTokens, NumExperts: a.NumExperts,
-		ExpertAlignment: a.ExpertAlignment, NumWorstTokens: a.NumWorstTokens,
-		NumTokensPerRank: Int32s(op.PerRank), NumTokensPerExpert: Int32s(op.PerExpert), IsTokenInRank: Bools(op.InRank),
-		RankPrefixMatrix: Int32s(op.RankPrefix), ChannelPrefixMatrix: Int32s(op.ChannelPrefix),
-		RecvChannelPrefixMatrix: Int32s(op.RecvChannelPrefix), NumRecvTokensPerExpert: Int32s(op.RecvPerExpert),
+		Config: n.Config.normal(), NumTokens: n.NumTokens, NumExperts: n.NumExperts,
+		ExpertAlignment: n.ExpertAlignment, NumWorstTokens: n.NumWorstTokens,
+		NumTokensPerRank: Int32s(n.PerRank), NumTokensPerExpert: Int32s(n.PerExpert), IsTokenInRank: Bools(n.InRank),
+		RankPrefixMatrix: Int32s(n.RankPrefix), ChannelPrefixMatrix: Int32s(n.ChannelPrefix),
+		RecvChannelPrefixMatrix: Int32s(n.RecvChannelPrefix), NumRecvTokensPerExpert: Int32s(n.RecvPerExpert),
 	})
 	return res.NumRecvTokens, wrap(err)
 }
 
-// NotifyDispatch is Notify and, queued behind it before its answer, Dispatch into rows
-// allocated for capacity tokens (see SpeculativeEngine): the host's wait for the counts no
-// longer delays the data. It returns the rows this rank receives and whether the dispatch ran;
-// if not (some rank's rows did not fit), Dispatch into exact rows follows.
-func (b *Buffer) NotifyDispatch(capacity int, na NotifyArgs, da DispatchArgs) (int, bool, error) {
-	n, err := b.notifyOp(na)
+// DispatchQueued checks a dispatch and runs its notify and, without waiting for the counts where
+// the engine can (SpeculativeEngine), its data phase into recv tensors of r.Rows rows (the most
+// this rank may receive). It returns the rows this rank receives and whether the data phase ran:
+// if some rank's rows exceeded what it allocated, it did not, and DispatchRecv into exact rows
+// follows. On the cpu path the data phase runs after the counts, when this rank's rows fit.
+func (b *Buffer) DispatchQueued(a *DispatchArgs, r RecvTensors) (int, bool, error) {
+	n, d, err := b.checkDispatch(a)
 	if err != nil {
 		return 0, false, err
 	}
-	d, err := b.dispatchOp(da)
+	if a.NumWorstTokens != 0 {
+		return 0, false, Argf("num_worst_tokens = %d: a queued dispatch has none", a.NumWorstTokens)
+	}
+	full, err := b.withRecv(d, r)
 	if err != nil {
 		return 0, false, err
 	}
-	n.Capacity = capacity // the engine checks it against recv_x's rows
 	eng, peers, err := b.engine()
 	if err != nil {
 		return 0, false, err
+	}
+	if eng == nil {
+		n.Order.Flags &^= OrderJoin
+		rows, err := b.notify(n)
+		if err != nil {
+			return 0, false, err
+		}
+		if err := b.copyCounts(n, a.Counts); err != nil {
+			return 0, false, err
+		}
+		if rows > r.Rows {
+			// The data phase is a collective that waits for every rank: this one joins it later.
+			b.setPending(d, rows)
+			return rows, false, nil
+		}
+		r.Rows = rows
+		if full, err = b.withRecv(d, r); err != nil {
+			return 0, false, err
+		}
+		return rows, true, b.dispatch(full)
 	}
 	se, ok := eng.(SpeculativeEngine)
 	if !ok {
 		return 0, false, errors.New("a dispatch queued behind its notify is not available on this backend")
 	}
-	rows, ran, err := se.NotifyDispatch(b.topo, peers, n, d)
-	return rows, ran, wrap(err)
+	n.Capacity = r.Rows // the engine checks it against recv_x's rows
+	rows, ran, err := se.NotifyDispatch(b.topo, peers, n, full)
+	if err != nil {
+		return 0, false, wrap(err)
+	}
+	if !ran {
+		b.setPending(d, rows)
+	}
+	return rows, ran, b.copyCounts(n, a.Counts)
 }
 
-// notifyOp checks a notify's arguments.
-func (b *Buffer) notifyOp(a NotifyArgs) (*NotifyOp, error) {
-	R, C := int64(b.topo.NumRanks), int64(a.Config.NumChannels())
-	if a.NumExperts <= 0 || a.NumExperts%int(R) != 0 {
-		return nil, Argf("num_tokens_per_expert: %d experts, expected a positive multiple of num_ranks = %d", a.NumExperts, R)
-	}
-	ts := b.tensors()
-	op := &NotifyOp{Config: a.Config, NumExperts: a.NumExperts, ExpertAlignment: a.ExpertAlignment, NumWorstTokens: a.NumWorstTokens}
-	op.InRank = ts.Get("is_token_in_rank", a.IsTokenInRank, false, bool_, -1, R)
-	op.PerRank = ts.Get("num_tokens_per_rank", a.NumTokensPerRank, false, i32, R)
-	op.PerExpert = ts.Get("num_tokens_per_expert", a.NumTokensPerExpert, false, i32, int64(a.NumExperts))
-	op.RankPrefix = ts.Own("rank_prefix_matrix", a.RankPrefixMatrix, false, dlpack.I32, R, R)
-	op.ChannelPrefix = ts.Own("channel_prefix_matrix", a.ChannelPrefixMatrix, false, dlpack.I32, R, C)
-	op.RecvChannelPrefix = ts.Own("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, false, dlpack.I32, R, C)
-	op.RecvPerExpert = ts.Own("num_recv_tokens_per_expert", a.NumRecvTokensPerExpert, false, dlpack.I32, int64(a.NumExperts)/R)
-	if ts.Err == nil {
-		op.TopkIdx = ts.Get("topk_idx", a.TopkIdx, true, i64, op.InRank.Shape[0], -1)
-	}
-	if ts.Err != nil {
-		return nil, ts.Err
-	}
-	op.NumTokens = int(op.InRank.Shape[0])
-	return op, nil
+// setPending keeps the dispatch whose notify ran, for DispatchRecv: its caller's tensors stay
+// alive in the Python call that made both.
+func (b *Buffer) setPending(d *DispatchOp, rows int) {
+	b.mu.Lock()
+	b.pending, b.pendingRows = d, rows
+	b.mu.Unlock()
 }
 
-// DispatchArgs are the tensors of a dispatch; a cached dispatch has no top-k tensors. X,
-// XScales, TopkIdx, TopkWeights and IsTokenInRank are DLPack addresses; the others are data
-// addresses, the recv tensors of NumRecv rows.
-type DispatchArgs struct {
-	Config                                             Config
-	NumExperts, NumWorstTokens, NumRecv                int
-	X, XScales, TopkIdx, TopkWeights, IsTokenInRank    uintptr
-	RankPrefixMatrix, ChannelPrefixMatrix              uintptr
-	RecvX, RecvXScales, RecvSrcIdx, RecvTopkIdx        uintptr
-	RecvTopkWeights, RecvChannelPrefixMatrix, SendHead uintptr
-}
-
-// Dispatch moves every token to the ranks of its experts.
-func (b *Buffer) Dispatch(a DispatchArgs) error {
-	op, err := b.dispatchOp(a)
+// DispatchRecv runs the data phase of the dispatch whose notify DispatchNotify or DispatchQueued
+// ran, into recv tensors of the rows they returned.
+func (b *Buffer) DispatchRecv(r RecvTensors, order StreamOrder) error {
+	b.mu.Lock()
+	d, rows := b.pending, b.pendingRows
+	b.pending = nil
+	b.mu.Unlock()
+	switch {
+	case d == nil:
+		return errors.New("dispatch: no notify awaits its data phase")
+	case r.Rows != rows:
+		return Argf("dispatch: %d rows allocated for the %d received", r.Rows, rows)
+	}
+	d.Order = order
+	full, err := b.withRecv(d, r)
 	if err != nil {
 		return err
 	}
+	return b.dispatch(full)
+}
+
+// DispatchCached dispatches x again with the layout of an earlier dispatch's handle.
+func (b *Buffer) DispatchCached(a *CachedDispatchArgs) error {
+	if err := b.errMultiDomain(); err != nil {
+		return err
+	}
+	R, C := int64(b.topo.NumRanks), int64(a.Config.NumChannels())
+	ts := b.tensors()
+	x, scales := rows(ts, a.X, a.XScales)
+	if ts.Err != nil {
+		return ts.Err
+	}
+	if err := a.Order.check(); err != nil {
+		return err
+	}
+	T := x.Shape[0]
+	switch {
+	case T != int64(a.NumTokens):
+		return Argf("handle is_token_in_rank: shape [%d, %d], expected [%d, %d]", a.NumTokens, R, T, R)
+	case C != int64(a.NumChannels):
+		return Argf("config: %d channels, the handle's dispatch used %d", C, a.NumChannels)
+	}
+	// The handle's rows: num_worst_tokens of its dispatch, padding included.
+	d := &DispatchOp{Config: a.Config, NumTokens: int(T), HiddenBytes: RowBytes(x), ScalesBytes: RowBytes(scales),
+		NumWorstTokens: a.NumRecv, X: x, XScales: scales, Order: a.Order}
+	d.InRank = ts.Own("is_token_in_rank", a.InRank, false, dlpack.BoolT, T, R)
+	d.RankPrefix = ts.Own("rank_prefix_matrix", a.RankPrefix, false, dlpack.I32, R, R)
+	d.ChannelPrefix = ts.Own("channel_prefix_matrix", a.ChannelPrefix, false, dlpack.I32, R, C)
+	if ts.Err != nil {
+		return ts.Err
+	}
+	full, err := b.withRecv(d, RecvTensors{Rows: a.NumRecv, X: a.RecvX, XScales: a.RecvXScales})
+	if err != nil {
+		return err
+	}
+	return b.dispatch(full)
+}
+
+// dispatch runs a checked data phase.
+func (b *Buffer) dispatch(op *DispatchOp) error {
 	eng, peers, err := b.engine()
 	if err != nil {
 		return err
@@ -289,105 +555,70 @@ func (b *Buffer) Dispatch(a DispatchArgs) error {
 	if eng != nil {
 		return wrap(eng.Dispatch(b.topo, peers, op))
 	}
-	x, scales, topk, weights := op.X, op.XScales, op.TopkIdx, op.TopkWeights
 	return wrap(normal.Dispatch(b.domain(peers), &normal.DispatchArgs{
-		Config: a.Config.normal(), NumTokens: op.NumTokens, HiddenBytes: op.HiddenBytes, ScalesBytes: op.ScalesBytes,
-		NumTopk: op.NumTopk, NumExperts: a.NumExperts,
-		X: Bytes(x), XScales: Bytes(scales), TopkIdx: Int64s(topk), TopkWeights: Float32s(weights), IsTokenInRank: Bools(op.InRank),
-		RankPrefixMatrix: Int32s(op.RankPrefix), ChannelPrefixMatrix: Int32s(op.ChannelPrefix), NumWorstTokens: a.NumWorstTokens,
-		RecvX: Bytes(op.RecvX), RecvXScales: Bytes(op.RecvXScales), RecvSrcIdx: Int32s(op.RecvSrcIdx),
-		RecvTopkIdx: Int64s(op.RecvTopkIdx), RecvTopkWeights: Float32s(op.RecvTopkWeights),
+		Config: op.Config.normal(), NumTokens: op.NumTokens, HiddenBytes: op.HiddenBytes, ScalesBytes: op.ScalesBytes,
+		NumTopk: op.NumTopk, NumExperts: op.NumExperts,
+		X: Bytes(op.X), XScales: Bytes(op.XScales), TopkIdx: Int64s(op.TopkIdx), TopkWeights: Float32s(op.TopkWeights),
+		IsTokenInRank: Bools(op.InRank), RankPrefixMatrix: Int32s(op.RankPrefix), ChannelPrefixMatrix: Int32s(op.ChannelPrefix),
+		NumWorstTokens: op.NumWorstTokens, RecvX: Bytes(op.RecvX), RecvXScales: Bytes(op.RecvXScales),
+		RecvSrcIdx: Int32s(op.RecvSrcIdx), RecvTopkIdx: Int64s(op.RecvTopkIdx), RecvTopkWeights: Float32s(op.RecvTopkWeights),
 		RecvChannelPrefixMatrix: Int32s(op.RecvChannelPrefix), SendHead: Int32s(op.SendHead),
 	}))
 }
 
-// dispatchOp checks a dispatch's arguments.
-func (b *Buffer) dispatchOp(a DispatchArgs) (*DispatchOp, error) {
-	R, C := int64(b.topo.NumRanks), int64(a.Config.NumChannels())
-	ts := b.tensors()
-	x := ts.Get("x", a.X, false, anyRow, -1, -1)
-	T, N, K, H := int64(0), int64(a.NumRecv), int64(0), int64(0)
-	if ts.Err == nil {
-		T, H = x.Shape[0], x.Shape[1]
-	}
-	scales := ts.Get("x_scales", a.XScales, true, f32, T, -1)
-	topk := ts.Get("topk_idx", a.TopkIdx, true, i64, T, -1)
-	if topk.Valid {
-		K = topk.Shape[1]
-	}
-	weights := ts.Get("topk_weights", a.TopkWeights, !topk.Valid, f32, T, K)
-	ir := ts.Get("is_token_in_rank", a.IsTokenInRank, false, bool_, T, R)
-	rpm := ts.Own("rank_prefix_matrix", a.RankPrefixMatrix, false, dlpack.I32, R, R)
-	cpm := ts.Own("channel_prefix_matrix", a.ChannelPrefixMatrix, true, dlpack.I32, R, C)
-	recvX := ts.Own("recv_x", a.RecvX, false, x.DType, N, H)
-	var recvScales dlpack.Tensor
-	if scales.Valid {
-		recvScales = ts.Own("recv_x_scales", a.RecvXScales, false, dlpack.F32, N, scales.Shape[1])
-	}
-	srcIdx := ts.Own("recv_src_idx", a.RecvSrcIdx, true, dlpack.I32, N)
-	var recvTopk, recvWeights dlpack.Tensor
-	if K > 0 {
-		recvTopk = ts.Own("recv_topk_idx", a.RecvTopkIdx, false, dlpack.I64, N, K)
-		recvWeights = ts.Own("recv_topk_weights", a.RecvTopkWeights, false, dlpack.F32, N, K)
-	}
-	rcpm := ts.Own("recv_channel_prefix_matrix", a.RecvChannelPrefixMatrix, true, dlpack.I32, R, C)
-	sendHead := ts.Own("send_head", a.SendHead, true, dlpack.I32, T, R)
-	if ts.Err != nil {
-		return nil, ts.Err
-	}
-	return &DispatchOp{Config: a.Config, NumTokens: int(T), HiddenBytes: RowBytes(x), ScalesBytes: RowBytes(scales),
-		NumTopk: int(K), NumExperts: a.NumExperts, NumWorstTokens: a.NumWorstTokens,
-		X: x, XScales: scales, TopkIdx: topk, TopkWeights: weights, InRank: ir, RankPrefix: rpm, ChannelPrefix: cpm,
-		RecvX: recvX, RecvXScales: recvScales, RecvSrcIdx: srcIdx, RecvTopkIdx: recvTopk,
-		RecvTopkWeights: recvWeights, RecvChannelPrefix: rcpm, SendHead: sendHead}, nil
-}
-
-// CombineArgs are the tensors of a combine: X, TopkWeights and the biases as DLPack
-// addresses; the handle's tensors (SrcIdx [NumRecv], SendHead [NumTokens, R], the matrices) and
-// the outputs as data addresses.
+// CombineArgs are a combine's: the caller's tensors, the handle's tensors (data addresses) and
+// sizes, and the outputs.
 type CombineArgs struct {
-	Config                                          Config
-	NumTokens, NumRecv                              int
-	X, TopkWeights, SrcIdx                          uintptr
-	RankPrefixMatrix, ChannelPrefixMatrix, SendHead uintptr
-	Bias0, Bias1, CombinedX, CombinedTopkWeights    uintptr
+	Config                       Config
+	X, TopkWeights, Bias0, Bias1 Desc
+	// The handle's send_head rows, recv_channel_prefix_matrix columns and recv_src_idx rows.
+	NumTokens, NumChannels, NumRecv             int
+	SrcIdx, RankPrefix, ChannelPrefix, SendHead uintptr
+	CombinedX, CombinedTopkWeights              uintptr
+	Order                                       StreamOrder
 }
 
 // Combine sends every received row back to its token's rank and sums the copies there.
-func (b *Buffer) Combine(a CombineArgs) error {
+func (b *Buffer) Combine(a *CombineArgs) error {
 	R, C := int64(b.topo.NumRanks), int64(a.Config.NumChannels())
 	ts := b.tensors()
-	x := ts.Get("x", a.X, false, sumRow, -1, -1)
-	rows, H, K := int64(0), int64(0), int64(0)
-	if ts.Err == nil {
-		rows, H = x.Shape[0], x.Shape[1]
+	x := ts.Arg("x", a.X, false, rowTypes, -1, -1)
+	if ts.Err != nil {
+		return ts.Err
 	}
-	weights := ts.Get("topk_weights", a.TopkWeights, true, f32, rows, -1)
+	rows, H, K, T := x.Shape[0], x.Shape[1], int64(0), int64(a.NumTokens)
+	switch {
+	case rows < int64(a.NumRecv):
+		return Argf("x: %d rows, expected the dispatch's %d received rows", rows, a.NumRecv)
+	case C != int64(a.NumChannels):
+		return Argf("config: %d channels, the handle's dispatch used %d (num_sms = %d)", C, a.NumChannels, 2*a.NumChannels)
+	}
+	weights := ts.Arg("topk_weights", a.TopkWeights, true, f32, rows, -1)
 	if weights.Valid {
 		K = weights.Shape[1]
 	}
-	T := int64(a.NumTokens)
-	srcIdx := ts.Own("src_idx", a.SrcIdx, false, dlpack.I32, int64(a.NumRecv))
-	rpm := ts.Own("rank_prefix_matrix", a.RankPrefixMatrix, false, dlpack.I32, R, R)
-	rcpm := ts.Own("channel_prefix_matrix", a.ChannelPrefixMatrix, false, dlpack.I32, R, C)
-	sendHead := ts.Own("send_head", a.SendHead, false, dlpack.I32, T, R)
 	same := []dlpack.DType{x.DType}
-	bias0 := ts.Get("bias[0]", a.Bias0, true, same, T, H)
-	bias1 := ts.Get("bias[1]", a.Bias1, true, same, T, H)
-	out := ts.Own("combined_x", a.CombinedX, false, x.DType, T, H)
-	var outWeights dlpack.Tensor
+	bias0 := ts.Arg("bias[0]", a.Bias0, true, same, T, H)
+	bias1 := ts.Arg("bias[1]", a.Bias1, true, same, T, H)
+	if ts.Err != nil {
+		return ts.Err
+	}
+	if err := a.Order.check(); err != nil {
+		return err
+	}
+	op := &CombineOp{Config: a.Config, NumTokens: int(T), Hidden: int(H), NumTopk: int(K),
+		X: x, TopkWeights: weights, Bias0: bias0, Bias1: bias1, Order: a.Order}
+	op.SrcIdx = ts.Own("src_idx", a.SrcIdx, false, dlpack.I32, int64(a.NumRecv))
+	op.RankPrefix = ts.Own("rank_prefix_matrix", a.RankPrefix, false, dlpack.I32, R, R)
+	op.ChannelPrefix = ts.Own("channel_prefix_matrix", a.ChannelPrefix, false, dlpack.I32, R, C)
+	op.SendHead = ts.Own("send_head", a.SendHead, false, dlpack.I32, T, R)
+	op.CombinedX = ts.Own("combined_x", a.CombinedX, false, x.DType, T, H)
 	if K > 0 {
-		outWeights = ts.Own("combined_topk_weights", a.CombinedTopkWeights, false, dlpack.F32, T, K)
+		op.CombinedTopkWeights = ts.Own("combined_topk_weights", a.CombinedTopkWeights, false, dlpack.F32, T, K)
 	}
 	if ts.Err != nil {
 		return ts.Err
 	}
-	if rows < int64(a.NumRecv) {
-		return Argf("x: %d rows, expected the dispatch's %d received rows", rows, a.NumRecv)
-	}
-	op := &CombineOp{Config: a.Config, NumTokens: int(T), Hidden: int(H), NumTopk: int(K),
-		X: x, TopkWeights: weights, SrcIdx: srcIdx, RankPrefix: rpm, ChannelPrefix: rcpm, SendHead: sendHead,
-		Bias0: bias0, Bias1: bias1, CombinedX: out, CombinedTopkWeights: outWeights}
 	eng, peers, err := b.engine()
 	if err != nil {
 		return err
@@ -397,9 +628,9 @@ func (b *Buffer) Combine(a CombineArgs) error {
 	}
 	return wrap(normal.Combine(b.domain(peers), &normal.CombineArgs{
 		Config: a.Config.normal(), DType: combineDType(x.DType), Hidden: int(H), NumTopk: int(K), NumTokens: int(T),
-		X: Bytes(x), TopkWeights: Float32s(weights), SrcIdx: Int32s(srcIdx),
-		RankPrefixMatrix: Int32s(rpm), ChannelPrefixMatrix: Int32s(rcpm), SendHead: Int32s(sendHead),
-		Bias0: Bytes(bias0), Bias1: Bytes(bias1), CombinedX: Bytes(out), CombinedTopkWeights: Float32s(outWeights),
+		X: Bytes(x), TopkWeights: Float32s(weights), SrcIdx: Int32s(op.SrcIdx),
+		RankPrefixMatrix: Int32s(op.RankPrefix), ChannelPrefixMatrix: Int32s(op.ChannelPrefix), SendHead: Int32s(op.SendHead),
+		Bias0: Bytes(bias0), Bias1: Bytes(bias1), CombinedX: Bytes(op.CombinedX), CombinedTopkWeights: Float32s(op.CombinedTopkWeights),
 	}))
 }
 
