@@ -132,7 +132,6 @@ class NormalMode:
         self._device_index = dev
         self._device = torch.device("cuda", dev) if dev >= 0 else torch.device("cpu")
         self._multi_domain = self.runtime.get_num_rdma_ranks() > 1
-        self._queued = _QUEUED_DISPATCH
         self._queued_rows = 0  # the most rows a queued dispatch of this rank had to redo
         self._configs = {}  # recommended configs' fields, by (kind, Buffer.num_sms, tuning.generation, channels)
         self._counts = array.array("i", bytes(4 * 64))  # num_recv_tokens_per_expert, written by the core
@@ -346,7 +345,7 @@ class NormalMode:
         R, C, rid = self.group_size, f0 // 2, self._rid
         row_bytes, per_expert = H * _ITEMSIZE.get(xt, 1), E // R
         counts = self._counts_for(per_expert)
-        queued = self._queued and num_worst_tokens == 0 and type(num_worst_tokens) is int
+        queued = _QUEUED_DISPATCH and num_worst_tokens == 0 and type(num_worst_tokens) is int
         # The handle's int32 tensors in one allocation, the received rows' tensors in another: a handle kept for
         # combine holds no recv_x. A queued dispatch allocates rows for the most this rank can receive when every
         # rank has as many tokens (or the most seen before); with num_worst_tokens, that many.
