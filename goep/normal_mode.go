@@ -77,10 +77,17 @@ func (b *Buffer) domain(peers []Region) *normal.Domain {
 }
 
 func (b *Buffer) tensors() *Tensors {
+	ts := &Tensors{}
+	b.initTensors(ts)
+	return ts
+}
+
+func (b *Buffer) initTensors(ts *Tensors) {
 	if id := b.backend.DeviceID(); id >= 0 {
-		return &Tensors{Device: DeviceCode(CUDADevice, id), DeviceType: dlpack.CUDA, DeviceID: id}
+		ts.Device, ts.DeviceType, ts.DeviceID = DeviceCode(CUDADevice, id), dlpack.CUDA, id
+	} else {
+		ts.Device, ts.DeviceType = DeviceCode(CPUDevice, -1), dlpack.CPU
 	}
-	return &Tensors{Device: DeviceCode(CPUDevice, -1), DeviceType: dlpack.CPU}
 }
 
 // wrap marks the engine's argument errors as the caller's.
@@ -276,32 +283,41 @@ func rows(ts *Tensors, xd, sd Desc) (x, scales dlpack.Tensor) {
 	return x, ts.Arg("x[1]", sd, false, f32, x.Shape[0], -1)
 }
 
+// dispatchCall is what a dispatch checks and runs, in one allocation.
+type dispatchCall struct {
+	ts Tensors
+	n  NotifyOp
+	d  DispatchOp
+}
+
 // checkDispatch checks a dispatch's arguments, in the order the Python layer did, and returns
-// its notify and its dispatch without the recv tensors.
-func (b *Buffer) checkDispatch(a *DispatchArgs) (*NotifyOp, *DispatchOp, error) {
+// its notify and its dispatch without the recv tensors (see withRecv).
+func (b *Buffer) checkDispatch(a *DispatchArgs) (*dispatchCall, error) {
 	if err := b.errMultiDomain(); err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	R, C := int64(b.topo.NumRanks), int64(a.Config.NumChannels())
-	ts := b.tensors()
+	call := &dispatchCall{}
+	ts := &call.ts
+	b.initTensors(ts)
 	x, scales := rows(ts, a.X, a.XScales)
 	switch {
 	case ts.Err != nil:
-		return nil, nil, ts.Err
+		return nil, ts.Err
 	case a.ExpertAlignment < 1:
-		return nil, nil, Argf("expert_alignment = %d: expected an int >= 1", a.ExpertAlignment)
+		return nil, Argf("expert_alignment = %d: expected an int >= 1", a.ExpertAlignment)
 	case a.NumWorstTokens < 0:
-		return nil, nil, Argf("num_worst_tokens = %d: expected an int >= 0", a.NumWorstTokens)
+		return nil, Argf("num_worst_tokens = %d: expected an int >= 0", a.NumWorstTokens)
 	}
 	if err := a.Order.check(); err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	for _, l := range []struct {
 		name string
 		d    Desc
 	}{{"num_tokens_per_rank", a.PerRank}, {"is_token_in_rank", a.InRank}, {"num_tokens_per_expert", a.PerExpert}} {
 		if l.d.NDim == NoneDim {
-			return nil, nil, Argf("%s: required without a handle (from get_dispatch_layout)", l.name)
+			return nil, Argf("%s: required without a handle (from get_dispatch_layout)", l.name)
 		}
 	}
 	T := x.Shape[0]
@@ -309,14 +325,14 @@ func (b *Buffer) checkDispatch(a *DispatchArgs) (*NotifyOp, *DispatchOp, error) 
 	inRank := ts.Arg("is_token_in_rank", a.InRank, false, bool_, T, R)
 	perExpert := ts.Arg("num_tokens_per_expert", a.PerExpert, false, i32, -1)
 	if ts.Err != nil {
-		return nil, nil, ts.Err
+		return nil, ts.Err
 	}
 	E := perExpert.Shape[0]
 	if E == 0 || E%R != 0 {
-		return nil, nil, Argf("num_tokens_per_expert: %d experts, expected a positive multiple of num_ranks = %d", E, R)
+		return nil, Argf("num_tokens_per_expert: %d experts, expected a positive multiple of num_ranks = %d", E, R)
 	}
 	if (a.TopkIdx.NDim == NoneDim) != (a.TopkWeights.NDim == NoneDim) {
-		return nil, nil, Argf("topk_idx, topk_weights: pass both or neither")
+		return nil, Argf("topk_idx, topk_weights: pass both or neither")
 	}
 	topk := ts.Arg("topk_idx", a.TopkIdx, true, i64, T, -1)
 	K := int64(0)
@@ -324,7 +340,8 @@ func (b *Buffer) checkDispatch(a *DispatchArgs) (*NotifyOp, *DispatchOp, error) 
 		K = topk.Shape[1]
 	}
 	weights := ts.Arg("topk_weights", a.TopkWeights, true, f32, T, K)
-	n := &NotifyOp{Config: a.Config, NumTokens: int(T), NumExperts: int(E), ExpertAlignment: a.ExpertAlignment,
+	n := &call.n
+	*n = NotifyOp{Config: a.Config, NumTokens: int(T), NumExperts: int(E), ExpertAlignment: a.ExpertAlignment,
 		NumWorstTokens: a.NumWorstTokens, PerRank: perRank, PerExpert: perExpert, InRank: inRank, TopkIdx: topk, Order: a.Order}
 	n.RankPrefix = ts.Own("rank_prefix_matrix", a.RankPrefix, false, dlpack.I32, R, R)
 	n.ChannelPrefix = ts.Own("channel_prefix_matrix", a.ChannelPrefix, false, dlpack.I32, R, C)
@@ -332,52 +349,50 @@ func (b *Buffer) checkDispatch(a *DispatchArgs) (*NotifyOp, *DispatchOp, error) 
 	n.RecvPerExpert = ts.Own("num_recv_tokens_per_expert", a.RecvPerExpert, false, dlpack.I32, E/R)
 	sendHead := ts.Own("send_head", a.SendHead, false, dlpack.I32, T, R)
 	if ts.Err != nil {
-		return nil, nil, ts.Err
+		return nil, ts.Err
 	}
-	d := &DispatchOp{Config: a.Config, NumTokens: int(T), HiddenBytes: RowBytes(x), ScalesBytes: RowBytes(scales),
+	call.d = DispatchOp{Config: a.Config, NumTokens: int(T), HiddenBytes: RowBytes(x), ScalesBytes: RowBytes(scales),
 		NumTopk: int(K), NumExperts: int(E), NumWorstTokens: a.NumWorstTokens,
 		X: x, XScales: scales, TopkIdx: topk, TopkWeights: weights, InRank: inRank, RankPrefix: n.RankPrefix,
 		ChannelPrefix: n.ChannelPrefix, RecvChannelPrefix: n.RecvChannelPrefix, SendHead: sendHead, Order: a.Order}
-	return n, d, nil
+	return call, nil
 }
 
-// withRecv is d with its recv tensors, r.Rows rows at r's addresses.
-func (b *Buffer) withRecv(d *DispatchOp, r RecvTensors) (*DispatchOp, error) {
-	ts := b.tensors()
+// withRecv sets d's recv tensors: r.Rows rows at r's addresses.
+func withRecv(ts *Tensors, d *DispatchOp, r RecvTensors) error {
 	N, H := int64(r.Rows), int64(d.X.Shape[1])
-	c := *d
-	c.RecvX = ts.Own("recv_x", r.X, false, d.X.DType, N, H)
+	d.RecvX = ts.Own("recv_x", r.X, false, d.X.DType, N, H)
 	if d.XScales.Valid {
-		c.RecvXScales = ts.Own("recv_x_scales", r.XScales, false, dlpack.F32, N, d.XScales.Shape[1])
+		d.RecvXScales = ts.Own("recv_x_scales", r.XScales, false, dlpack.F32, N, d.XScales.Shape[1])
 	}
 	if d.TopkIdx.Valid || d.SendHead.Valid {
-		c.RecvSrcIdx = ts.Own("recv_src_idx", r.SrcIdx, false, dlpack.I32, N)
+		d.RecvSrcIdx = ts.Own("recv_src_idx", r.SrcIdx, false, dlpack.I32, N)
 	}
 	if d.NumTopk > 0 {
-		c.RecvTopkIdx = ts.Own("recv_topk_idx", r.TopkIdx, false, dlpack.I64, N, int64(d.NumTopk))
-		c.RecvTopkWeights = ts.Own("recv_topk_weights", r.TopkWeights, false, dlpack.F32, N, int64(d.NumTopk))
+		d.RecvTopkIdx = ts.Own("recv_topk_idx", r.TopkIdx, false, dlpack.I64, N, int64(d.NumTopk))
+		d.RecvTopkWeights = ts.Own("recv_topk_weights", r.TopkWeights, false, dlpack.F32, N, int64(d.NumTopk))
 	}
-	return &c, ts.Err
+	return ts.Err
 }
 
 // DispatchNotify checks a dispatch and runs its notify; it returns the rows this rank receives.
 // The data phase follows with DispatchRecv, into recv tensors of that many rows (or
 // num_worst_tokens).
 func (b *Buffer) DispatchNotify(a *DispatchArgs) (int, error) {
-	n, d, err := b.checkDispatch(a)
+	call, err := b.checkDispatch(a)
 	if err != nil {
 		return 0, err
 	}
-	n.Order.Flags &^= OrderJoin // the data phase joins
-	rows, err := b.notify(n)
+	call.n.Order.Flags &^= OrderJoin // the data phase joins
+	rows, err := b.notify(&call.n)
 	if err != nil {
 		return 0, err
 	}
 	if a.NumWorstTokens > 0 {
 		rows = a.NumWorstTokens
 	}
-	b.setPending(d, rows)
-	return rows, b.copyCounts(n, a.Counts)
+	b.setPending(&call.d, rows)
+	return rows, b.copyCounts(&call.n, a.Counts)
 }
 
 // perExpertCounter is what an engine implements that keeps the host's copy of the last notify's
@@ -430,15 +445,15 @@ func (b *Buffer) notify(n *NotifyOp) (int, error) {
 // if some rank's rows exceeded what it allocated, it did not, and DispatchRecv into exact rows
 // follows. On the cpu path the data phase runs after the counts, when this rank's rows fit.
 func (b *Buffer) DispatchQueued(a *DispatchArgs, r RecvTensors) (int, bool, error) {
-	n, d, err := b.checkDispatch(a)
+	call, err := b.checkDispatch(a)
 	if err != nil {
 		return 0, false, err
 	}
+	n, d := &call.n, &call.d
 	if a.NumWorstTokens != 0 {
 		return 0, false, Argf("num_worst_tokens = %d: a queued dispatch has none", a.NumWorstTokens)
 	}
-	full, err := b.withRecv(d, r)
-	if err != nil {
+	if err := withRecv(&call.ts, d, r); err != nil {
 		return 0, false, err
 	}
 	eng, peers, err := b.engine()
@@ -460,17 +475,17 @@ func (b *Buffer) DispatchQueued(a *DispatchArgs, r RecvTensors) (int, bool, erro
 			return rows, false, nil
 		}
 		r.Rows = rows
-		if full, err = b.withRecv(d, r); err != nil {
+		if err := withRecv(&call.ts, d, r); err != nil {
 			return 0, false, err
 		}
-		return rows, true, b.dispatch(full)
+		return rows, true, b.dispatch(d)
 	}
 	se, ok := eng.(SpeculativeEngine)
 	if !ok {
 		return 0, false, errors.New("a dispatch queued behind its notify is not available on this backend")
 	}
 	n.Capacity = r.Rows // the engine checks it against recv_x's rows
-	rows, ran, err := se.NotifyDispatch(b.topo, peers, n, full)
+	rows, ran, err := se.NotifyDispatch(b.topo, peers, n, d)
 	if err != nil {
 		return 0, false, wrap(err)
 	}
@@ -502,11 +517,10 @@ func (b *Buffer) DispatchRecv(r RecvTensors, order StreamOrder) error {
 		return Argf("dispatch: %d rows allocated for the %d received", r.Rows, rows)
 	}
 	d.Order = order
-	full, err := b.withRecv(d, r)
-	if err != nil {
+	if err := withRecv(b.tensors(), d, r); err != nil {
 		return err
 	}
-	return b.dispatch(full)
+	return b.dispatch(d)
 }
 
 // DispatchCached dispatches x again with the layout of an earlier dispatch's handle.
@@ -539,11 +553,10 @@ func (b *Buffer) DispatchCached(a *CachedDispatchArgs) error {
 	if ts.Err != nil {
 		return ts.Err
 	}
-	full, err := b.withRecv(d, RecvTensors{Rows: a.NumRecv, X: a.RecvX, XScales: a.RecvXScales})
-	if err != nil {
+	if err := withRecv(ts, d, RecvTensors{Rows: a.NumRecv, X: a.RecvX, XScales: a.RecvXScales}); err != nil {
 		return err
 	}
-	return b.dispatch(full)
+	return b.dispatch(d)
 }
 
 // dispatch runs a checked data phase.

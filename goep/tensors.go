@@ -2,6 +2,7 @@ package goep
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"unsafe"
 
@@ -122,6 +123,22 @@ type Tensors struct {
 	DeviceType int // dlpack.CPU or dlpack.CUDA, of the views
 	DeviceID   int
 	Err        error
+
+	// The shapes of the views, here so that a call's views cost no allocation each.
+	dims [40]int64
+	used int
+}
+
+// shape is dims, kept in ts.
+func (ts *Tensors) shape(dims []int64) []int64 {
+	n := len(dims)
+	if ts.used+n > len(ts.dims) {
+		return append([]int64(nil), dims...)
+	}
+	s := ts.dims[ts.used : ts.used+n : ts.used+n]
+	copy(s, dims)
+	ts.used += n
+	return s
 }
 
 // Arg checks a caller's tensor: present (unless optional), of one of dtypes, shaped dims (-1:
@@ -170,7 +187,7 @@ func (ts *Tensors) arg(name string, d Desc, optional bool, dtypes []dlpack.DType
 		ts.Err = Argf("%s: on %s, expected %s (the buffer's device)", name, deviceName(d.Device), deviceName(ts.Device))
 		return dlpack.Tensor{}
 	}
-	shape := append([]int64(nil), d.Size[:d.NDim]...)
+	shape := ts.shape(d.Size[:d.NDim])
 	numel := int64(1)
 	for _, s := range shape {
 		numel *= s
@@ -211,7 +228,7 @@ func (ts *Tensors) Own(name string, data uintptr, optional bool, dtype dlpack.DT
 	numel := int64(1)
 	for _, d := range dims {
 		if d < 0 {
-			ts.Err = Argf("%s: shape %v has a negative size", name, dims)
+			ts.Err = Argf("%s: shape %v has a negative size", name, slices.Clone(dims)) // dims itself stays on the caller's stack
 			return dlpack.Tensor{}
 		}
 		numel *= d
@@ -223,7 +240,7 @@ func (ts *Tensors) Own(name string, data uintptr, optional bool, dtype dlpack.DT
 		return dlpack.Tensor{}
 	}
 	return dlpack.Tensor{Valid: true, Data: dlpack.Pointer(data), DeviceType: ts.DeviceType, DeviceID: ts.DeviceID,
-		DType: dtype, Shape: dims}
+		DType: dtype, Shape: ts.shape(dims)}
 }
 
 // Views of a checked tensor's memory as Go slices; nil for an absent tensor.

@@ -54,6 +54,7 @@ def _torch_names():
 
 _DTYPE_INDEX, _DEVICE_INDEX, _DTYPE_OF = _torch_names()
 _ITEMSIZE = {code: d.itemsize for code, d in _DTYPE_OF.items()}
+_INT32, _BOOL = _DTYPE_INDEX["int32"], _DTYPE_INDEX["bool"]
 # A dtype's index in the core's list (-1: one it does not know), and a device's code (goep.DeviceCode).
 _DT = _Codes(lambda d: _DTYPE_INDEX.get(str(d)[6:], -1))
 _DV = _Codes(lambda d: _DEVICE_INDEX.get(d.type, len(_DEVICE_INDEX)) << 16 | (0 if d.index is None else d.index + 1))
@@ -67,13 +68,34 @@ def _desc(name: str, t: object) -> tuple:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     shape, stride = t.shape, t.stride()
-    if len(shape) == 2:
-        return t.data_ptr(), _DT[t.dtype], _DV[t.device], 2, shape[0], shape[1], stride[0], stride[1]
-    if len(shape) == 1:
-        return t.data_ptr(), _DT[t.dtype], _DV[t.device], 1, shape[0], 0, stride[0], 0
-    # Wrong for every argument: the core names the shape.
+    # A Desc holds two sizes: no argument of pyep has more dimensions, and the core names the shape.
     s, st = tuple(shape[:2]) + (0, 0), tuple(stride[:2]) + (0, 0)
     return t.data_ptr(), _DT[t.dtype], _DV[t.device], len(shape), s[0], s[1], st[0], st[1]
+
+
+def _desc2(name: str, t: object) -> tuple:
+    """_desc for an argument that should have two dimensions: every call reads several, so the usual case is the
+    quick one."""
+    if t is None:
+        return _NONE
+    try:
+        s0, s1 = t.shape
+        t0, t1 = t.stride()
+        return t.data_ptr(), _DT[t.dtype], _DV[t.device], 2, s0, s1, t0, t1
+    except (AttributeError, TypeError, ValueError):
+        return _desc(name, t)
+
+
+def _desc1(name: str, t: object) -> tuple:
+    """_desc for an argument that should have one dimension."""
+    if t is None:
+        return _NONE
+    try:
+        s0, = t.shape
+        t0, = t.stride()
+        return t.data_ptr(), _DT[t.dtype], _DV[t.device], 1, s0, 0, t0, 0
+    except (AttributeError, TypeError, ValueError):
+        return _desc(name, t)
 
 
 def _int(name: str, value: object, low: int) -> int:
@@ -109,12 +131,13 @@ def _handle_layout(R: int, C: int, T: int, rows: int, per_expert: int) -> Tuple[
 @functools.lru_cache(maxsize=256)
 def _recv_layout(rows: int, row_bytes: int, S: int, K: int) -> Tuple[int, ...]:
     """Byte offsets of recv_x [rows, row_bytes], its scales [rows, S] float32, recv_topk_idx [rows, K] int64 and
-    recv_topk_weights [rows, K] float32 in one block, each on a 256-byte boundary, and the block's bytes."""
+    recv_topk_weights [rows, K] float32 in one block, each on a 256-byte boundary, and the block's float32s (the
+    block's type: the views of scales and weights need no view of its type)."""
     offsets, end = [], 0
     for n in (rows * row_bytes, rows * S * 4, rows * K * 8, rows * K * 4):
         offsets.append(end)
         end += _align(n)
-    return tuple(offsets) + (max(end, 256),)
+    return tuple(offsets) + (max(end, 256) // 4,)
 
 
 def _rows(typed: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
@@ -131,9 +154,11 @@ class NormalMode:
         self._cuda = dev >= 0
         self._device_index = dev
         self._device = torch.device("cuda", dev) if dev >= 0 else torch.device("cpu")
+        self._device_code = _DV[self._device]
         self._multi_domain = self.runtime.get_num_rdma_ranks() > 1
         self._queued_rows = 0  # the most rows a queued dispatch of this rank had to redo
         self._configs = {}  # recommended configs' fields, by (kind, Buffer.num_sms, tuning.generation, channels)
+        self._layout = None  # the last layout's tensors and their descriptions (see get_dispatch_layout)
         self._counts = array.array("i", bytes(4 * 64))  # num_recv_tokens_per_expert, written by the core
 
     # ---- per-call helpers ---------------------------------------------------------------------------------------
@@ -209,11 +234,10 @@ class NormalMode:
             raise ValueError("handle: not returned by a dispatch of this buffer (a handle of another buffer?)")
         return tag
 
-    def _remember(self, handle: tuple, T: int, C: int, rows: int) -> tuple:
-        rank_prefix, channel_prefix, recv_channel_prefix, src_idx, in_rank, send_head = handle
+    def _remember(self, handle: tuple, T: int, C: int, rows: int, addresses: tuple) -> tuple:
+        """Tags a handle with its identity, sizes and the data addresses of its six tensors (see _handle_meta)."""
         handle[0]._pyep_handle = ((self._rid, id(handle[1]), id(handle[2]), id(handle[3]), id(handle[4]), id(handle[5])),
-                                  T, C, rows, rank_prefix.data_ptr(), channel_prefix.data_ptr(),
-                                  recv_channel_prefix.data_ptr(), src_idx.data_ptr(), in_rank.data_ptr(), send_head.data_ptr())
+                                  T, C, rows) + addresses
         return handle
 
     def _counts_for(self, n: int) -> int:
@@ -250,7 +274,7 @@ class NormalMode:
             is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
             event: the event of the computation (set when `async_finish`).
         """
-        tp, tt, tv, tn, T, t1, ts0, ts1 = _desc("topk_idx", topk_idx)
+        tp, tt, tv, tn, T, t1, ts0, ts1 = _desc2("topk_idx", topk_idx)
         E = num_experts if type(num_experts) is int else _int("num_experts", num_experts, 1)
         if previous_event is None and not async_finish and not allocate_on_comm_stream:
             event, flags = 0, _WAIT | _JOIN
@@ -271,6 +295,13 @@ class NormalMode:
         per_expert = block.as_strided((E,), (1,), R)
         in_rank = _rows(block.view(torch.bool), at_in_rank, T, R)
         per_rdma_rank = per_rank.view(-1, 8).sum(1, dtype=torch.int32) if self._multi_domain else None
+        # A dispatch that gets these tensors back unchanged (the same objects, their version counters where they were)
+        # takes their descriptions from here instead of reading them again: a description costs about a microsecond.
+        dev = self._device_code
+        self._layout = (per_rank, per_expert, in_rank, in_rank._version,
+                        (base, _INT32, dev, 1, R, 0, 1, 0, base + 4 * R, _INT32, dev, 1, E, 0, 1, 0,
+                         base + at_in_rank, _BOOL, dev, 2, T, R, R, 1),
+                        topk_idx, topk_idx._version, (tp, tt, tv, tn, T, t1, ts0, ts1))
         return per_rank, per_rdma_rank, per_expert, in_rank, self._finish(
             async_finish, flags, (topk_idx, per_rank, per_expert, in_rank))
 
@@ -335,13 +366,22 @@ class NormalMode:
         else:
             event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
         stream = _current_stream(self._device_index) if self._cuda else 0
-        xp, xt, xv, xn, T, H, xs0, xs1 = _desc("x" if scales is None else "x[0]", x)
-        sp, st, sv, sn, s0, S, ss0, ss1 = _desc("x[1]", scales)
-        ip, it, iv, in_, i0, K, is0, is1 = _desc("topk_idx", topk_idx)
-        wp, wt, wv, wn, w0, w1, ws0, ws1 = _desc("topk_weights", topk_weights)
-        rp, rt, rv, rn, r0, r1, rs0, rs1 = _desc("num_tokens_per_rank", num_tokens_per_rank)
-        ep, et, ev, en, E, e1, es0, es1 = _desc("num_tokens_per_expert", num_tokens_per_expert)
-        gp, gt, gv, gn, g0, g1, gs0, gs1 = _desc("is_token_in_rank", is_token_in_rank)
+        xp, xt, xv, xn, T, H, xs0, xs1 = _desc2("x" if scales is None else "x[0]", x)
+        sp, st, sv, sn, s0, S, ss0, ss1 = _desc2("x[1]", scales)
+        wp, wt, wv, wn, w0, w1, ws0, ws1 = _desc2("topk_weights", topk_weights)
+        lay = self._layout
+        if lay is not None and topk_idx is lay[5] and topk_idx._version == lay[6]:
+            ip, it, iv, in_, i0, K, is0, is1 = lay[7]
+        else:
+            ip, it, iv, in_, i0, K, is0, is1 = _desc2("topk_idx", topk_idx)
+        if (lay is not None and num_tokens_per_rank is lay[0] and num_tokens_per_expert is lay[1]
+                and is_token_in_rank is lay[2] and is_token_in_rank._version == lay[3]):
+            (rp, rt, rv, rn, r0, r1, rs0, rs1, ep, et, ev, en, E, e1, es0, es1,
+             gp, gt, gv, gn, g0, g1, gs0, gs1) = lay[4]
+        else:
+            rp, rt, rv, rn, r0, r1, rs0, rs1 = _desc1("num_tokens_per_rank", num_tokens_per_rank)
+            ep, et, ev, en, E, e1, es0, es1 = _desc1("num_tokens_per_expert", num_tokens_per_expert)
+            gp, gt, gv, gn, g0, g1, gs0, gs1 = _desc2("is_token_in_rank", is_token_in_rank)
         R, C, rid = self.group_size, f0 // 2, self._rid
         row_bytes, per_expert = H * _ITEMSIZE.get(xt, 1), E // R
         counts = self._counts_for(per_expert)
@@ -359,7 +399,7 @@ class NormalMode:
         try:
             if queued:
                 rl = _recv_layout(rows, row_bytes, S, K)
-                rb = self._empty(flags, rl[4], torch.uint8)
+                rb = self._empty(flags, rl[4], torch.float32)
                 r = rb.data_ptr()
                 n = _go.DispatchQueued(
                     rid, f0, f1, f2, f3, f4, expert_alignment, rows, xp, xt, xv, xn, T, H, xs0, xs1,
@@ -382,7 +422,7 @@ class NormalMode:
                 if queued:
                     self._queued_rows = max(self._queued_rows, out)
                 rl = _recv_layout(out, row_bytes, S, K)
-                rb = self._empty(flags, rl[4], torch.uint8)
+                rb = self._empty(flags, rl[4], torch.float32)
                 r = rb.data_ptr()
                 if out > rows:
                     src_block, src_at = self._empty(flags, max(out, 1), torch.int32), 0
@@ -392,15 +432,16 @@ class NormalMode:
             raise _core.error(e) from None
         except TypeError as e:
             _raise_int(e, expert_alignment=(expert_alignment, 1), num_worst_tokens=(num_worst_tokens, 0))
-        recv_x = _rows(rb.view(_DTYPE_OF[xt]), 0, out, H)
-        if S or K:
-            f32 = rb.view(torch.float32)
-        recv = recv_x if scales is None else (recv_x, _rows(f32, rl[1], out, S) if S else None)
+        dtype = _DTYPE_OF[xt]
+        recv_x = _rows(rb if dtype is torch.float32 else rb.view(dtype), 0, out, H)
+        recv = recv_x if scales is None else (recv_x, _rows(rb, rl[1], out, S) if S else None)
         recv_topk_idx = _rows(rb.view(torch.int64), rl[2], out, K) if K else None
-        recv_topk_weights = _rows(f32, rl[3], out, K) if K else None
+        recv_topk_weights = _rows(rb, rl[3], out, K) if K else None
+        src = (h if src_block is hb else src_block.data_ptr()) + src_at
         handle = self._remember((_rows(hb, 0, R, R), _rows(hb, 4 * hl[1], R, C), _rows(hb, 4 * hl[2], R, C),
                                  src_block.as_strided((out,), (1,), src_at // 4), is_token_in_rank,
-                                 _rows(hb, 4 * hl[3], T, R)), T, C, out)
+                                 _rows(hb, 4 * hl[3], T, R)), T, C, out,
+                                (h, h + 4 * hl[1], h + 4 * hl[2], src, gp, h + 4 * hl[3]))
         per_expert_list = [] if num_worst_tokens else self._counts[:per_expert].tolist()
         return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, self._finish(
             async_finish, flags, (x, scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
@@ -417,15 +458,15 @@ class NormalMode:
         else:
             event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
         stream = _current_stream(self._device_index) if self._cuda else 0
-        xp, xt, xv, xn, xT, H, xs0, xs1 = _desc("x" if scales is None else "x[0]", x)
-        sp, st, sv, sn, s0, S, ss0, ss1 = _desc("x[1]", scales)
+        xp, xt, xv, xn, xT, H, xs0, xs1 = _desc2("x" if scales is None else "x[0]", x)
+        sp, st, sv, sn, s0, S, ss0, ss1 = _desc2("x[1]", scales)
         dtype = _DTYPE_OF.get(xt, torch.uint8)
         if scales is None:
             block = recv_x = self._empty(flags, (rows, H), dtype)
             r, at_scales = recv_x.data_ptr(), 0
         else:
             at_scales = _align(rows * H * _ITEMSIZE.get(xt, 1))
-            block = self._empty(flags, at_scales + _align(rows * S * 4), torch.uint8)
+            block = self._empty(flags, (at_scales + _align(rows * S * 4)) // 4, torch.float32)
             r = block.data_ptr()
         try:
             _go.DispatchCached(self._rid, f0, f1, f2, f3, f4, xp, xt, xv, xn, xT, H, xs0, xs1, sp, st, sv, sn, s0, S, ss0,
@@ -435,7 +476,7 @@ class NormalMode:
             raise _core.error(e) from None
         if scales is not None:
             recv_x = _rows(block.view(dtype), 0, rows, H)
-            recv = (recv_x, _rows(block.view(torch.float32), at_scales, rows, S) if S else None)
+            recv = (recv_x, _rows(block, at_scales, rows, S) if S else None)
         else:
             recv = recv_x
         return recv, None, None, None, None, self._finish(async_finish, flags, (x, scales, handle[0], handle[1],
@@ -482,17 +523,17 @@ class NormalMode:
             raise ValueError(f"bias: expected None, a tensor or a pair of tensors, got {len(bias)} tensors")
         else:
             bias0, bias1 = tuple(bias) + (None,) * (2 - len(bias))
-        xp, xt, xv, xn, x0, H, xs0, xs1 = _desc("x", x)
-        wp, wt, wv, wn, w0, K, ws0, ws1 = _desc("topk_weights", topk_weights)
-        ap, at, av, an, a0, a1, as0, as1 = _desc("bias[0]", bias0)
-        bp, bt, bv, bn, b0, b1, bs0, bs1 = _desc("bias[1]", bias1)
+        xp, xt, xv, xn, x0, H, xs0, xs1 = _desc2("x", x)
+        wp, wt, wv, wn, w0, K, ws0, ws1 = _desc2("topk_weights", topk_weights)
+        ap, at, av, an, a0, a1, as0, as1 = _desc2("bias[0]", bias0)
+        bp, bt, bv, bn, b0, b1, bs0, bs1 = _desc2("bias[1]", bias1)
         dtype = _DTYPE_OF.get(xt, torch.uint8)
         if topk_weights is None:
             block = combined_x = self._empty(flags, (T, H), dtype)
             out, at_weights = combined_x.data_ptr(), 0
         else:
             at_weights = _align(T * H * _ITEMSIZE.get(xt, 1))
-            block = self._empty(flags, at_weights + _align(T * K * 4), torch.uint8)
+            block = self._empty(flags, (at_weights + _align(T * K * 4)) // 4, torch.float32)
             out = block.data_ptr()
         try:
             _go.Combine(self._rid, f0, f1, f2, f3, f4, xp, xt, xv, xn, x0, H, xs0, xs1, wp, wt, wv, wn, w0, K, ws0, ws1,
@@ -504,6 +545,6 @@ class NormalMode:
         combined_weights = None
         if topk_weights is not None:
             combined_x = _rows(block.view(dtype), 0, T, H)
-            combined_weights = _rows(block.view(torch.float32), at_weights, T, K)
+            combined_weights = _rows(block, at_weights, T, K)
         return combined_x, combined_weights, self._finish(
             async_finish, flags, (x, topk_weights, bias0, bias1) + handle + (block,))
