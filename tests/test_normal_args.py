@@ -156,3 +156,26 @@ def test_cached_dispatch_and_combine_arguments(group, device, setup):
     check_all(group, buffer, cached_and_combine_calls(device, group.size(), x, topk, w, E, handle))
     good_call(group, device, buffer)
     dist.barrier(group)
+
+
+def test_layout_tensors_changed_in_place_are_read_again(group, device, setup):
+    # A dispatch takes the descriptions of the tensors the last layout took and returned while they are unchanged
+    # (the same objects, their version counters unmoved); a tensor changed in place since is read again.
+    buffer, x, topk, w, E, _, _ = setup
+    layout = layout_dict(buffer.get_dispatch_layout(topk, E))
+    layout["num_tokens_per_expert"].unsqueeze_(0)
+    with pytest.raises(ValueError, match=rf"num_tokens_per_expert: shape \[1, {E}\], expected \[\*\]"):
+        buffer.dispatch(x, **layout, topk_idx=topk, topk_weights=w)
+    mine = topk.clone()
+    layout = layout_dict(buffer.get_dispatch_layout(mine, E))
+    mine.t_()
+    with pytest.raises(ValueError, match=r"topk_idx: shape \[8, 32\], expected \[32, \*\]"):
+        buffer.dispatch(x, **layout, topk_idx=mine, topk_weights=w)
+    mine.t_()
+    with pytest.raises(ValueError, match=r"topk_idx: not contiguous"):
+        buffer.dispatch(x, **layout, topk_idx=mine.t().contiguous().t(), topk_weights=w)
+    # Values written in place: read again, the dispatch works.
+    layout["num_tokens_per_rank"].add_(0)
+    recv, *_ = buffer.dispatch(x, **layout, topk_idx=mine, topk_weights=w)
+    good_call(group, device, buffer)
+    dist.barrier(group)
