@@ -6,7 +6,6 @@ outputs with torch (the caching allocator) and builds the returned tuples; the G
 with the messages users see, orders the streams and launches. Nothing is checked twice, no DLPack capsule or torch
 Stream object is made, and the Go functions are called without gopy's Python wrappers."""
 import array
-import contextlib
 import functools
 import os
 from typing import List, Optional, Tuple, Union
@@ -223,10 +222,9 @@ class NormalMode:
         return EventOverlap(EventHandle(stream=comm), tensors)
 
     def _handle_meta(self, handle: object) -> tuple:
-        """(identity, num_tokens, channels, rows, and the data addresses of the handle's six tensors) of a handle that
-        this buffer's dispatch returned. The core takes a handle's
-        tensors as bare addresses: its first tensor carries the identity of the buffer and of the others, so that only
-        the tuple this buffer returned passes."""
+        """(identity, num_tokens, channels, rows, the data addresses of the six tensors) of a handle that this buffer's
+        dispatch returned. The core takes a handle's tensors as bare addresses: its first tensor carries the identity
+        of the buffer and of the others, so that only the tuple this buffer returned passes."""
         if not isinstance(handle, tuple) or len(handle) != 6:
             raise ValueError("handle: expected the 6-tuple returned by this buffer's dispatch")
         tag = getattr(handle[0], "_pyep_handle", None)
