@@ -44,6 +44,11 @@ type Buffer struct {
 	peers        []Region // by NVLink rank; peers[NVLRank] is local
 	rdma         RDMARegion
 	rootUniqueID []byte
+
+	// The dispatch whose notify ran and whose data phase waits for recv tensors of pendingRows
+	// rows (DispatchRecv); under mu.
+	pending     *DispatchOp
+	pendingRows int
 }
 
 // NewBuffer validates p as DeepEP's Buffer constructor does and allocates the local NVLink-domain

@@ -2,11 +2,10 @@ package goep
 
 import (
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-
-	"github.com/pyep/pyep/goep/dlpack"
 )
 
 func TestScaleStrides(t *testing.T) {
@@ -16,20 +15,21 @@ func TestScaleStrides(t *testing.T) {
 		st, ss         int64
 		err            string
 	}{
-		{name: "dense", shape: []int64{5, 3}, st: 3, ss: 1},
+		{name: "dense", shape: []int64{5, 3}, strides: []int64{3, 1}, st: 3, ss: 1},
 		{name: "column-major", shape: []int64{5, 3}, strides: []int64{1, 5}, st: 1, ss: 5},
 		{name: "TMA-padded column-major", shape: []int64{5, 3}, strides: []int64{1, 8}, st: 1, ss: 8},
 		{name: "padded rows", shape: []int64{5, 3}, strides: []int64{4, 1}, st: 4, ss: 1},
 		{name: "one token of column-major", shape: []int64{1, 3}, strides: []int64{1, 8}, st: 1, ss: 8},
 		{name: "one scale, rows apart", shape: []int64{5, 1}, strides: []int64{2, 9}, st: 2, ss: 1},
 		{name: "overlapping columns", shape: []int64{5, 3}, strides: []int64{1, 4}, err: "expected row-major (3, 1) or column-major (1, 5)"},
-		{name: "both strided", shape: []int64{5, 3}, strides: []int64{2, 10}, err: "strides [2 10] for shape [5 3]"},
-		{name: "broadcast", shape: []int64{5, 3}, strides: []int64{0, 1}, err: "x_scales: strides [0 1]"},
+		{name: "both strided", shape: []int64{5, 3}, strides: []int64{2, 10}, err: "strides (2, 10) for shape [5, 3]"},
+		{name: "broadcast", shape: []int64{5, 3}, strides: []int64{0, 1}, err: "x[1]: strides (0, 1)"},
 		{name: "stride past int32", shape: []int64{5, 3}, strides: []int64{1, 1 << 31}, err: "up to 2147483647"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			st, ss, err := scaleStrides(dlpack.Tensor{Valid: true, DType: dlpack.F32, Shape: c.shape, Strides: c.strides})
+			d := Desc{NDim: 2, Size: [2]int64{c.shape[0], c.shape[1]}, Stride: [2]int64{c.strides[0], c.strides[1]}}
+			st, ss, err := scaleStrides("x[1]", d)
 			if c.err != "" {
 				require.Error(t, err)
 				assert.Contains(t, err.Error(), c.err)
@@ -39,5 +39,45 @@ func TestScaleStrides(t *testing.T) {
 			require.NoError(t, err)
 			assert.Equal(t, [2]int64{c.st, c.ss}, [2]int64{st, ss})
 		})
+	}
+}
+
+// gpuBackend is a Backend on GPU 0 that allocates nothing: enough for the argument checks.
+type gpuBackend struct{ Backend }
+
+func (gpuBackend) DeviceID() int { return 0 }
+
+// BenchmarkDispatchChecks is the core's part of a dispatch before any engine work: the checks of
+// its seven caller tensors and the views of its outputs (4096 tokens, hidden 7168, top-8 of 256
+// experts, 4 ranks).
+func BenchmarkDispatchChecks(b *testing.B) {
+	topo, err := NewTopology(0, 4, false)
+	require.NoError(b, err)
+	buf := &Buffer{topo: topo, backend: gpuBackend{}}
+	cfg, err := NewConfig(24, 6, 256, 6, 128)
+	require.NoError(b, err)
+	mem := make([]byte, 1<<20)
+	p := uintptr(unsafe.Pointer(&mem[0]))
+	dev := DeviceCode(CUDADevice, 0)
+	two := func(dtype int, s0, s1 int64) Desc {
+		return Desc{Data: p, DType: dtype, Device: dev, NDim: 2, Size: [2]int64{s0, s1}, Stride: [2]int64{s1, 1}}
+	}
+	one := func(dtype int, s0 int64) Desc {
+		return Desc{Data: p, DType: dtype, Device: dev, NDim: 1, Size: [2]int64{s0}, Stride: [2]int64{1}}
+	}
+	const bf16, i32, i64, f32, boolean = 3, 6, 7, 0, 12
+	a := &DispatchArgs{Config: cfg, ExpertAlignment: 1, X: two(bf16, 4096, 7168), XScales: Desc{NDim: NoneDim},
+		TopkIdx: two(i64, 4096, 8), TopkWeights: two(f32, 4096, 8), PerRank: one(i32, 4), PerExpert: one(i32, 256),
+		InRank: two(boolean, 4096, 4), RankPrefix: p, ChannelPrefix: p, RecvChannelPrefix: p, RecvPerExpert: p, SendHead: p}
+	r := RecvTensors{Rows: 16384, X: p, SrcIdx: p, TopkIdx: p, TopkWeights: p}
+	b.ReportAllocs()
+	for b.Loop() {
+		call, err := buf.checkDispatch(a)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := withRecv(&call.ts, &call.d, r); err != nil {
+			b.Fatal(err)
+		}
 	}
 }

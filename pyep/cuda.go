@@ -2,8 +2,6 @@ package pyep
 
 import (
 	"fmt"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/pyep/pyep/goep"
@@ -35,46 +33,6 @@ func BufferCommStream(id int64) (stream uintptr, err error) {
 	return be.CommStream().Raw(), nil
 }
 
-// streamOrder orders the buffer's communication stream and stream, a raw CUstream of its GPU
-// (PyTorch's current stream): with commWaits, the work queued on the communication stream from
-// now on waits for what stream holds so far; otherwise stream waits for the communication
-// stream. The host does not block.
-func streamOrder(be *cuda.Backend, stream uintptr, commWaits bool) error {
-	other := be.WrapStream(stream)
-	if commWaits {
-		return be.StreamWait(be.CommStream(), other)
-	}
-	return be.StreamWait(other, be.CommStream())
-}
-
-// The stream order of a normal-mode export, the flags of its order argument: torch's Stream
-// objects and events, or a call of its own, would cost microseconds more.
-const (
-	orderBefore = 1 // the communication stream waits for stream before the call's work (no previous_event)
-	orderAfter  = 2 // stream waits for the communication stream after it (not async_finish)
-)
-
-// ordered runs op between the stream orders that order asks for, on the cuda backend; the cpu
-// backend's calls have finished when they return, so it has none.
-func ordered(b *goep.Buffer, stream uintptr, order int, op func() error) error {
-	be, ok := b.Backend().(*cuda.Backend)
-	if !ok || order == 0 {
-		return op()
-	}
-	if order&orderBefore != 0 {
-		if err := streamOrder(be, stream, true); err != nil {
-			return err
-		}
-	}
-	if err := op(); err != nil {
-		return err
-	}
-	if order&orderAfter != 0 {
-		return streamOrder(be, stream, false)
-	}
-	return nil
-}
-
 // BufferLastLaunchNs is CLOCK_MONOTONIC (Python's time.perf_counter clock), in nanoseconds,
 // right after the latest kernel launch of the buffer's GPU (0 before the first).
 func BufferLastLaunchNs(id int64) (ns int64, err error) {
@@ -84,32 +42,6 @@ func BufferLastLaunchNs(id int64) (ns int64, err error) {
 		return 0, err
 	}
 	return be.LastLaunchNS(), nil
-}
-
-// BufferRecvPerExpert is num_recv_tokens_per_expert of the buffer's last dispatch notify on
-// the cuda backend, space-separated: the host's copy, so reading it waits for no stream.
-func BufferRecvPerExpert(id int64) (counts string, err error) {
-	defer guard("BufferRecvPerExpert", &err)
-	b, be, err := cudaBuffer(id, "keeps no host copy of the counts")
-	if err != nil {
-		return "", err
-	}
-	peers, err := b.Peers()
-	if err != nil {
-		return "", err
-	}
-	vals, err := be.RecvPerExpert(peers[b.Topology().NVLRank])
-	if err != nil {
-		return "", err
-	}
-	var sb strings.Builder
-	for i, v := range vals {
-		if i > 0 {
-			sb.WriteByte(' ')
-		}
-		sb.WriteString(strconv.Itoa(int(v)))
-	}
-	return sb.String(), nil
 }
 
 // SetOpTimeout sets the bound of the cuda kernels' waits on peers, in seconds, for calls made

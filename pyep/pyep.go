@@ -3,8 +3,8 @@
 // Go panic would otherwise abort the interpreter.
 //
 // Buffers are named by integer ids: a stale or destroyed id is an error, never a dangling Go
-// handle. Errors that are the caller's fault carry the prefix "ValueError: " so that Python
-// raises ValueError for them.
+// handle. Errors that are the caller's fault carry the prefix "ValueError: " (or "TypeError: ")
+// so that Python raises that exception for them.
 package pyep
 
 import (
@@ -25,12 +25,17 @@ import (
 // Version is the pyep version the extension was built as.
 func Version() string { return goep.Version }
 
-// guard recovers a panic of an export into its error, and marks argument errors.
+// guard recovers a panic of an export into its error, and marks argument errors with the
+// Python exception they become.
 func guard(op string, err *error) {
 	if r := recover(); r != nil {
 		*err = fmt.Errorf("pyep internal error in %s: %v\n%s", op, r, debug.Stack())
 	}
-	if *err != nil && goep.IsArgument(*err) {
+	switch {
+	case *err == nil:
+	case goep.IsType(*err):
+		*err = fmt.Errorf("TypeError: %w", *err)
+	case goep.IsArgument(*err):
 		*err = fmt.Errorf("ValueError: %w", *err)
 	}
 }

@@ -140,45 +140,6 @@ def test_hidden_sizes(group, device, hidden, fp8):
     run_case(group, device, Case(f"hidden_{hidden}", tokens=64, hidden=hidden, fp8=fp8))
 
 
-@pytest.mark.parametrize("queued", [True, False], ids=["queued", "notify_first"])
-def test_dispatch_with_and_without_the_queued_data_phase(group, device, monkeypatch, queued):
-    # By default the data phase is queued behind notify (PYEP_QUEUED_DISPATCH); both paths give the same rows.
-    monkeypatch.setattr(pyep.buffer, "_QUEUED_DISPATCH", queued)
-    run_case(group, device, Case("random", tokens=200, hidden=512, seed=3))
-    run_case(group, device, Case("all_to_one_rank", routing="one", tokens=64, hidden=512, seed=4))
-
-
-def test_queued_dispatch_redoes_rows_that_do_not_fit(group, device):
-    # Rank r has 8 + 40 r tokens, all for rank 0's experts: rank 0 receives more than num_ranks times its own
-    # tokens, so the queued data phase does not run (on any rank) and runs again into exact rows; the next
-    # dispatch allocates what the first one needed and fits.
-    R, me = group.size(), group.rank()
-    if R < 2:
-        pytest.skip("needs two ranks: one rank always fits its own tokens")
-    hidden, K, E = 256, 2, 4 * R
-
-    def tokens_of(r):
-        g = torch.Generator().manual_seed(700 + r)
-        T = 8 + 40 * r
-        return torch.randn(T, hidden, generator=g).to(torch.bfloat16), torch.rand(T, K, generator=g)
-
-    config = pyep.Buffer.get_dispatch_config(R)
-    buffer = buffer_for(group, config, hidden * 2)
-    x, w = on(device, tokens_of(me))
-    topk = torch.tensor([[0, 1]], device=device).expand(x.size(0), K).contiguous()
-    want = torch.cat([tokens_of(r)[0] for r in range(R)]) if me == 0 else torch.empty(0, hidden, dtype=torch.bfloat16)
-    for _ in range(2):
-        recv, recv_topk, recv_w, counts, handle, _ = buffer.dispatch(x, **layout_of(buffer, topk, E), topk_idx=topk,
-                                                                     topk_weights=w, config=config)
-        assert torch.equal(recv.cpu(), want)
-        assert recv_topk.shape == (want.size(0), K) and counts == ([want.size(0)] * 2 + [0, 0] if me == 0 else [0] * 4)
-        combined, _, _ = buffer.combine(recv, handle)
-        assert torch.equal(combined, x), "each token went to one rank, so combine returns it unchanged"
-    assert buffer._queued_rows == (want.size(0) if me == 0 else 0)
-    torch.cuda.synchronize()
-    dist.barrier(group)
-
-
 def test_last_launch_is_stamped_inside_the_call(group, device):
     # pyep.bench's launch time: the core stamps CLOCK_MONOTONIC (time.perf_counter's clock) after each launch.
     import time

@@ -589,14 +589,26 @@ func ptr(t dlpack.Tensor) uint64 {
 	return uint64(uintptr(t.Data))
 }
 
-// checkDevice makes sure that every given tensor lives on this backend's GPU.
-func (b *Backend) checkDevice(names []string, ts ...dlpack.Tensor) error {
-	for i, t := range ts {
-		if t.Valid && t.DeviceID != b.DeviceID() {
-			return goep.Argf("%s: on cuda:%d, expected cuda:%d (the buffer's device)", names[i], t.DeviceID, b.DeviceID())
-		}
+// orderBefore makes the call's work on the communication stream wait for previous_event, or
+// else for the caller's stream (DeepEP's stream semantics); the engine is locked and the context
+// current, so the order costs no call of its own.
+func (e *normalEngine) orderBefore(o goep.StreamOrder) error {
+	b := e.b
+	switch {
+	case o.Event != 0:
+		return b.comm.WaitEvent(WrapEvent(b.drv, o.Event))
+	case o.Flags&goep.OrderWait != 0:
+		return b.streamWait(b.comm, b.WrapStream(o.Stream))
 	}
 	return nil
+}
+
+// orderAfter makes the caller's stream wait for the call's work, unless async_finish.
+func (e *normalEngine) orderAfter(o goep.StreamOrder) error {
+	if o.Flags&goep.OrderJoin == 0 {
+		return nil
+	}
+	return e.b.streamWait(e.b.WrapStream(o.Stream), e.b.comm)
 }
 
 func align(n, a int64) int64 { return (n + a - 1) / a * a }
@@ -720,10 +732,6 @@ func (e *normalEngine) waitHost(tag *uint64, want uint64, st *bufferState, what 
 // layout does not synchronise either). Its check of every expert index is recorded on the GPU
 // and reported by the next dispatch's notify, on every rank.
 func (b *Backend) Layout(a *goep.LayoutOp) error {
-	if err := b.checkDevice([]string{"topk_idx", "num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"},
-		a.TopkIdx, a.PerRank, a.PerExpert, a.InRank); err != nil {
-		return err
-	}
 	e := b.engine()
 	end, err := e.begin()
 	defer end()
@@ -747,32 +755,18 @@ func (b *Backend) Layout(a *goep.LayoutOp) error {
 	*p = layoutParams{Topk: ptr(a.TopkIdx), PerRank: ptr(a.PerRank), PerExpert: ptr(a.PerExpert), InRank: ptr(a.InRank),
 		Result: uint64(e.layoutDev), Tag: e.layoutTag + 1, NumTokens: T, NumTopk: K, NumExperts: E, NumRanks: R}
 	grid := uint32(R + (E+layoutExpertsPerBlock-1)/layoutExpertsPerBlock)
+	if err := e.orderBefore(a.Order); err != nil {
+		return err
+	}
 	if err := e.launch(f, grid, uint32(threads), unsafe.Pointer(p)); err != nil {
 		return err
 	}
 	e.layoutTag++
-	return nil
-}
-
-func (b *Backend) checkNotify(a *goep.NotifyOp) error {
-	return b.checkDevice([]string{"num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "rank_prefix_matrix",
-		"channel_prefix_matrix", "recv_channel_prefix_matrix", "num_recv_tokens_per_expert", "topk_idx"},
-		a.PerRank, a.PerExpert, a.InRank, a.RankPrefix, a.ChannelPrefix, a.RecvChannelPrefix, a.RecvPerExpert, a.TopkIdx)
-}
-
-func (b *Backend) checkDispatch(a *goep.DispatchOp) error {
-	return b.checkDevice([]string{"x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
-		"channel_prefix_matrix", "recv_x", "recv_x_scales", "recv_src_idx", "recv_topk_idx", "recv_topk_weights",
-		"recv_channel_prefix_matrix", "send_head"},
-		a.X, a.XScales, a.TopkIdx, a.TopkWeights, a.InRank, a.RankPrefix, a.ChannelPrefix, a.RecvX, a.RecvXScales,
-		a.RecvSrcIdx, a.RecvTopkIdx, a.RecvTopkWeights, a.RecvChannelPrefix, a.SendHead)
+	return e.orderAfter(a.Order)
 }
 
 // Notify implements goep.NormalEngine.
 func (b *Backend) Notify(topo goep.Topology, peers []goep.Region, a *goep.NotifyOp) (int, error) {
-	if err := b.checkNotify(a); err != nil {
-		return 0, err
-	}
 	e := b.engine()
 	end, st, l, _, err := e.enterBuffer(topo, peers)
 	defer end()
@@ -783,26 +777,27 @@ func (b *Backend) Notify(topo goep.Topology, peers []goep.Region, a *goep.Notify
 	if err != nil {
 		return 0, err
 	}
+	if err := e.orderBefore(a.Order); err != nil {
+		return 0, err
+	}
 	seq, err := e.launchNotify(f, st)
 	if err != nil {
 		return 0, err
 	}
 	n, _, err := e.finishNotify(st, seq, topo, a, scratchOff)
-	return n, err
+	if err != nil {
+		return 0, err
+	}
+	return n, e.orderAfter(a.Order)
 }
 
 // NotifyDispatch implements goep.SpeculativeEngine: notify, and behind it on the stream the
 // dispatch into rows allocated before the counts are known (n.Capacity of them), then the
 // wait for notify's answer. The dispatch runs only if every rank's rows fit (notify's verdict,
 // the same on every rank); otherwise it returns at once, ran is false, and the caller
-// dispatches again into exact rows (that Dispatch follows the notify, as after Notify).
+// dispatches again into exact rows (that Dispatch follows the notify, as after Notify). n.Order
+// orders both: the stream order of a dispatch that does not run is the later Dispatch's.
 func (b *Backend) NotifyDispatch(topo goep.Topology, peers []goep.Region, n *goep.NotifyOp, d *goep.DispatchOp) (numRecv int, ran bool, err error) {
-	if err := b.checkNotify(n); err != nil {
-		return 0, false, err
-	}
-	if err := b.checkDispatch(d); err != nil {
-		return 0, false, err
-	}
 	if n.Capacity <= 0 || int64(n.Capacity) != d.RecvX.Shape[0] {
 		return 0, false, goep.Argf("dispatch: capacity = %d for %d allocated rows", n.Capacity, d.RecvX.Shape[0])
 	}
@@ -822,6 +817,9 @@ func (b *Backend) NotifyDispatch(topo goep.Topology, peers []goep.Region, n *goe
 	if err != nil {
 		return 0, false, err
 	}
+	if err := e.orderBefore(n.Order); err != nil {
+		return 0, false, err
+	}
 	seq, err := e.launchNotify(fn, st)
 	if err != nil {
 		return 0, false, err
@@ -834,10 +832,11 @@ func (b *Backend) NotifyDispatch(topo goep.Topology, peers []goep.Region, n *goe
 		return 0, false, err
 	}
 	numRecv, ran, err = e.finishNotify(st, seq, topo, n, scratchOff)
-	if ran {
-		st.notified = false // the dispatch consumed the notify
+	if err != nil || !ran {
+		return numRecv, ran, err
 	}
-	return numRecv, ran, err
+	st.notified = false // the dispatch consumed the notify
+	return numRecv, ran, e.orderAfter(n.Order)
 }
 
 // prepareNotify checks a notify, finds its kernel and fills its launch parameters.
@@ -990,9 +989,6 @@ func (e *normalEngine) prologueFor(op int32, st *bufferState, topo goep.Topology
 
 // Dispatch implements goep.NormalEngine: it queues the kernels and returns.
 func (b *Backend) Dispatch(topo goep.Topology, peers []goep.Region, a *goep.DispatchOp) error {
-	if err := b.checkDispatch(a); err != nil {
-		return err
-	}
 	e := b.engine()
 	end, st, l, notified, err := e.enterBuffer(topo, peers)
 	defer end()
@@ -1008,13 +1004,19 @@ func (b *Backend) Dispatch(topo goep.Topology, peers []goep.Region, a *goep.Disp
 	if err != nil {
 		return err
 	}
+	if err := e.orderBefore(a.Order); err != nil {
+		return err
+	}
 	if !notified {
 		if err := e.prologueFor(3, st, topo, peers, a.Config); err != nil {
 			return err
 		}
 	}
 	e.fillDispatch(st, topo, peers, a, off, 0)
-	return e.launch(f, uint32(2*a.Config.NumChannels()), uint32(e.opts.Threads), unsafe.Pointer(&e.params.dispatch))
+	if err := e.launch(f, uint32(2*a.Config.NumChannels()), uint32(e.opts.Threads), unsafe.Pointer(&e.params.dispatch)); err != nil {
+		return err
+	}
+	return e.orderAfter(a.Order)
 }
 
 // prepareDispatch checks a dispatch whose rings must end by limit (the region's end, or the
@@ -1076,12 +1078,6 @@ func configString(c goep.Config) string {
 
 // Combine implements goep.NormalEngine: it queues the kernels and returns.
 func (b *Backend) Combine(topo goep.Topology, peers []goep.Region, a *goep.CombineOp) error {
-	if err := b.checkDevice([]string{"x", "topk_weights", "src_idx", "rank_prefix_matrix", "channel_prefix_matrix", "send_head",
-		"bias[0]", "bias[1]", "combined_x", "combined_topk_weights"},
-		a.X, a.TopkWeights, a.SrcIdx, a.RankPrefix, a.ChannelPrefix, a.SendHead, a.Bias0, a.Bias1, a.CombinedX,
-		a.CombinedTopkWeights); err != nil {
-		return err
-	}
 	e := b.engine()
 	end, st, l, _, err := e.enterBuffer(topo, peers)
 	defer end()
@@ -1129,6 +1125,9 @@ func (b *Backend) Combine(topo goep.Topology, peers []goep.Region, a *goep.Combi
 	if err != nil {
 		return err
 	}
+	if err := e.orderBefore(a.Order); err != nil {
+		return err
+	}
 	if err := e.prologueFor(4, st, topo, peers, a.Config); err != nil {
 		return err
 	}
@@ -1139,5 +1138,8 @@ func (b *Backend) Combine(topo goep.Topology, peers []goep.Region, a *goep.Combi
 	p.Out, p.OutWeights = ptr(a.CombinedX), ptr(a.CombinedTopkWeights)
 	p.OffRow, p.OffSrc, p.OffWeights = uint64(off[0]), uint64(off[1]), uint64(off[2])
 	p.NumTokens, p.NumRows = int32(a.NumTokens), int32(a.X.Shape[0])
-	return e.launch(f, uint32(2*C), uint32(threads), unsafe.Pointer(p))
+	if err := e.launch(f, uint32(2*C), uint32(threads), unsafe.Pointer(p)); err != nil {
+		return err
+	}
+	return e.orderAfter(a.Order)
 }

@@ -33,6 +33,14 @@ func (b *Backend) StreamWait(waiter, on Stream) error {
 	if err != nil {
 		return err
 	}
+	return b.streamWait(waiter, on)
+}
+
+// streamWait is StreamWait in the backend's context.
+func (b *Backend) streamWait(waiter, on Stream) error {
+	if waiter == on {
+		return nil
+	}
 	// One event serves every call: cuStreamWaitEvent waits for the record current at the
 	// time of the call, so re-recording afterwards is safe.
 	b.waitMu.Lock()

@@ -1,6 +1,7 @@
-// Package dlpack reads the DLPack tensors that Python hands to pyep and makes the ones pyep
-// hands back (views over its buffers). The structs follow the DLPack ABI (v0.8, the legacy
-// unversioned DLManagedTensor that every framework still accepts).
+// Package dlpack makes the DLPack tensors that pyep hands back to Python (views over its
+// buffers) and reads them (Parse); its element types and checked views (Tensor) are the core's.
+// The caller's tensors cross as plain integers instead (goep.Desc). The structs follow the
+// DLPack ABI (v0.8, the legacy unversioned DLManagedTensor that every framework still accepts).
 package dlpack
 
 /*

@@ -49,27 +49,59 @@ def not_available(method: str, what: str) -> NotAvailableError:
     return NotAvailableError(f"Buffer.{method}: {what} is not available in pyep yet")
 
 
+_FORKED = ("pyep cannot be used in a forked child process: the Go runtime does not survive fork; "
+           "use the spawn start method or import pyep in the child")
+
+
+def _refuse(*args):
+    raise PyepError(_FORKED)
+
+
+class _Exports:
+    """The exports that every normal-mode call makes, bound to gopy's C functions: a call costs no lookup and no
+    Python wrapper. They raise RuntimeError with the core's message; `error` turns it into the Python exception."""
+
+    __slots__ = ("Layout", "DispatchQueued", "DispatchNotify", "DispatchRecv", "DispatchCached", "Combine",
+                 "LastEntryNs", "BufferLastLaunchNs")
+
+    def __init__(self):
+        for name in self.__slots__:
+            setattr(self, name, getattr(_go._core, "pyep_" + name))
+
+
+go = _Exports()
+
+
 def _forked_child():
     global _owner_pid
     _owner_pid = -1
+    for name in _Exports.__slots__:
+        setattr(go, name, _refuse)
 
 
 os.register_at_fork(after_in_child=_forked_child)
 
 
+def error(e):
+    """The Python exception of a core error: "ValueError: " and "TypeError: " ones become those, any other a
+    PyepError."""
+    msg = str(e)
+    for kind in (ValueError, TypeError):
+        prefix = kind.__name__ + ": "
+        if msg.startswith(prefix):
+            return kind(msg[len(prefix):])
+    return PyepError(msg)
+
+
 def call(name, *args):
-    """Calls the Go export `name`; a "ValueError: " error becomes ValueError, any other
-    PyepError. A forked child raises instead of entering the parent's Go runtime."""
+    """Calls the Go export `name`, raising `error`'s exception. A forked child raises instead of entering the
+    parent's Go runtime."""
     if _owner_pid != os.getpid():
-        raise PyepError("pyep cannot be used in a forked child process: the Go runtime does not survive fork; "
-                        "use the spawn start method or import pyep in the child")
+        raise PyepError(_FORKED)
     try:
         return getattr(_go, name)(*args)
     except RuntimeError as e:
-        msg = str(e)
-        if msg.startswith("ValueError: "):
-            raise ValueError(msg[len("ValueError: "):]) from None
-        raise PyepError(msg) from None
+        raise error(e) from None
 
 
 def usable():

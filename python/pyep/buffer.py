@@ -1,11 +1,9 @@
-"""Buffer: DeepEP V1's expert-parallel communication buffer, over pyep's Go core."""
+"""Buffer: DeepEP V1's expert-parallel communication buffer, over pyep's Go core (normal mode: _normal.py)."""
 import atexit
-import contextlib
 import operator
-import os
 import socket
 import weakref
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -14,24 +12,11 @@ from . import _core
 from ._internode import InternodeMixin
 from ._low_latency import LowLatencyMixin
 from ._runtime import _Runtime, _backend_for
-from ._tensors import _DLPack, _Packed, _addr, _check_int, _check_scales, _check_tensor, _shaped
+from ._tensors import _shaped
+from ._normal import NormalMode, topk_idx_t  # noqa: F401 (topk_idx_t is pyep's API)
 from .config import Config
 from .tuning import load_tuned
 from .utils import EventHandle, EventOverlap
-
-# The dtype of expert indices that every API takes: DeepEP's default build (TOPK_IDX_BITS=64) has it, and no kernel
-# of pyep's has an int32 variant for builds with TOPK_IDX_BITS=32.
-topk_idx_t = torch.int64
-_TOPK_HINT = " (pyep.topk_idx_t, as DeepEP's default build; convert with .to(pyep.topk_idx_t))"
-
-# Rows that combine sums (BF16 is DeepEP's); dispatch moves rows of any dtype, as bytes.
-_ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_QUEUED_DISPATCH = os.environ.get("PYEP_QUEUED_DISPATCH", "1") != "0"
-
-
-# The stream order flags of the core's normal-mode calls (orderBefore, orderAfter in pyep/cuda.go).
-_ORDER_BEFORE, _ORDER_AFTER = 1, 2
-
 
 
 # Buffers not yet released, destroyed at interpreter exit so no shared memory outlives it.
@@ -76,7 +61,7 @@ def _host() -> Tuple[Optional[str], str]:
     return boot, socket.gethostname()
 
 
-class Buffer(LowLatencyMixin, InternodeMixin):
+class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
     """
     The expert-parallel (EP) communication buffers of a Mixture-of-Experts model, DeepEP V1's API:
         - normal (high-throughput) intranode dispatch and combine over NVLink (cuda) or shared memory (cpu);
@@ -161,7 +146,6 @@ class Buffer(LowLatencyMixin, InternodeMixin):
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self._comm_stream = None
-        self._queued_rows = 0  # the most rows a queued dispatch of this rank had to redo
         self.runtime = _Runtime(_backend_for(group), self.rank, self.group_size, num_nvl_bytes, num_rdma_bytes,
                                 low_latency_mode, explicitly_destroy, enable_shrink, use_fabric)
         _live.add(self)
@@ -195,6 +179,7 @@ class Buffer(LowLatencyMixin, InternodeMixin):
             self._release()
             raise
         assert self.runtime.is_available()
+        self._normal_init()
 
     def _check_hosts(self, hosts: list, allow_mnnvl: bool) -> None:
         """Raises, on every rank alike, if an NVLink domain spans machines: pyep shares a domain's buffers within one
@@ -356,406 +341,3 @@ class Buffer(LowLatencyMixin, InternodeMixin):
             tensor: a 1-D tensor of `dtype` (or shaped `size`) over the peer's memory.
         """
         return _shaped(self.runtime.get_local_buffer_tensor(dtype, offset, False, nvl_rank), size)
-
-    # ---- normal mode -------------------------------------------------------------------------------------
-
-    def _device(self) -> torch.device:
-        device = self.__dict__.get("_device_cached")
-        if device is None:
-            dev = self.runtime.get_local_device_id()
-            device = self._device_cached = torch.device("cpu") if dev < 0 else torch.device("cuda", dev)
-        return device
-
-    def _queues_dispatch(self) -> bool:
-        """Whether a dispatch queues its data phase behind notify (cuda; PYEP_QUEUED_DISPATCH=0 turns it off)."""
-        return self._device().type == "cuda" and _QUEUED_DISPATCH
-
-    def _multi_domain(self) -> bool:
-        """Whether the group spans NVLink domains (fixed for the buffer's life)."""
-        multi = self.__dict__.get("_multi_domain_cached")
-        if multi is None:
-            multi = self._multi_domain_cached = self.runtime.get_num_rdma_ranks() > 1
-        return multi
-
-    def _events(self, previous_event: Optional[EventOverlap], async_finish: bool,
-                allocate_on_comm_stream: bool) -> Optional[tuple]:
-        """Orders the call after its inputs. On cuda (DeepEP's semantics) the communication stream waits for
-        previous_event, or else for the current stream, and the current stream waits for the call unless
-        async_finish: the result is (comm, the current stream as a raw CUstream, allocate_on_comm_stream, the order
-        flags) for _allocating, _finish and the core's calls, which order the streams themselves (_ORDER_BEFORE,
-        _ORDER_AFTER). On cpu the host waits and the result is None."""
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise TypeError(f"previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
-        if allocate_on_comm_stream and not (previous_event is not None and async_finish):
-            raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True")
-        if self.runtime.backend != "cuda":
-            if previous_event is not None and previous_event.event is not None:
-                previous_event.event.synchronize()
-            return None
-        comm = self.get_comm_stream()
-        # The raw handle and flags to the core's call cost less than torch's Stream objects and events.
-        current = torch._C._cuda_getCurrentRawStream(self._device().index)
-        handle = previous_event.event if previous_event is not None else None
-        order = 0 if async_finish else _ORDER_AFTER
-        if handle is not None and handle.event is not None:
-            comm.wait_event(handle.event)
-        else:
-            order |= _ORDER_BEFORE
-        return comm, current, allocate_on_comm_stream, order
-
-    @staticmethod
-    def _order(streams: Optional[tuple]) -> Tuple[int, int]:
-        """The stream and order flags for the core's call (none on cpu)."""
-        return (0, 0) if streams is None else (streams[1], streams[3])
-
-    @staticmethod
-    def _allocating(streams: Optional[tuple]):
-        """Where outputs are allocated: on the communication stream with allocate_on_comm_stream."""
-        if streams is not None and streams[2]:
-            return torch.cuda.stream(streams[0])
-        return contextlib.nullcontext()
-
-    def _finish(self, async_finish: bool, tensors: tuple, streams: Optional[tuple] = None) -> EventOverlap:
-        if streams is None:
-            # The cpu backend has finished when its call returns: the event is already complete.
-            return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
-        comm, _, on_comm, _ = streams
-        if not async_finish:
-            return EventOverlap(None)  # the core's call made the current stream wait (_ORDER_AFTER)
-        # The tensors stay allocated until the communication stream is past this call (and, when they were
-        # allocated there, until the compute stream is past what it has queued so far).
-        compute = torch.cuda.current_stream() if on_comm else None
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                t.record_stream(comm)
-                if on_comm:
-                    t.record_stream(compute)
-        return EventOverlap(EventHandle(stream=comm), tensors)
-
-    def _config(self, config: Optional[Config], default) -> Config:
-        if config is None:
-            return default(self.group_size)
-        if not isinstance(config, Config):
-            raise TypeError(f"config must be a pyep.Config, got {type(config).__name__}")
-        return config
-
-    def _handle_tag(self, handle: tuple) -> tuple:
-        return (self.runtime.id,) + tuple(map(id, handle[1:]))
-
-    def _remember(self, handle: tuple) -> tuple:
-        # The core takes a handle's tensors as bare addresses (they are pyep's): its first tensor carries the identity
-        # of the buffer and of the others, so that only the tuple this buffer returned passes _check_handle.
-        handle[0]._pyep_handle = self._handle_tag(handle)
-        return handle
-
-    def _check_handle(self, handle: object, length: int) -> tuple:
-        if not isinstance(handle, (tuple, list)) or len(handle) != length:
-            raise ValueError(f"handle: expected the {length}-tuple returned by this buffer's dispatch")
-        if getattr(handle[0], "_pyep_handle", None) != self._handle_tag(handle):
-            raise ValueError("handle: not returned by a dispatch of this buffer (a handle of another buffer?)")
-        return handle
-
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
-                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                            allocate_on_comm_stream: bool = False) -> \
-            Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
-        """
-        Calculates the layout a dispatch needs from each token's experts.
-
-        Arguments:
-            topk_idx: `[num_tokens, num_topk]` with `pyep.topk_idx_t` (`torch.int64`, as in DeepEP's default build; int32
-                raises ValueError), the expert of each of a token's
-                top-k choices, `-1` for none; experts are split evenly, rank r holding
-                `[r * num_experts / num_ranks, (r + 1) * num_experts / num_ranks)`. An index out of range raises
-                ValueError here on the cpu backend; on cuda (which does not wait for the GPU) the next dispatch
-                raises it, on every rank.
-            num_experts: the number of experts, a multiple of the number of ranks.
-            previous_event: an event to wait for before the computation.
-            async_finish: whether to return an event instead of making the current stream wait.
-            allocate_on_comm_stream: whether the outputs belong to the communication stream (needs previous_event
-                and async_finish).
-
-        Returns:
-            num_tokens_per_rank: `[num_ranks]` with `torch.int`, the tokens sent to each rank.
-            num_tokens_per_rdma_rank: None within one node (`[num_rdma_ranks]` with `torch.int` across nodes).
-            num_tokens_per_expert: `[num_experts]` with `torch.int`, the tokens sent to each expert.
-            is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
-            event: the event of the computation (set when `async_finish`).
-        """
-        device = self._device()
-        _check_tensor("topk_idx", topk_idx, (topk_idx_t,), (None, None), device, _TOPK_HINT)
-        _check_int("num_experts", num_experts, 1)
-        if num_experts % self.group_size:
-            raise ValueError(f"num_experts = {num_experts}: expected a multiple of num_ranks = {self.group_size}")
-        streams = self._events(previous_event, async_finish, allocate_on_comm_stream)
-        with self._allocating(streams):
-            per_rank = torch.empty(self.group_size, dtype=torch.int32, device=device)
-            per_expert = torch.empty(num_experts, dtype=torch.int32, device=device)
-            in_rank = torch.empty((topk_idx.size(0), self.group_size), dtype=torch.bool, device=device)
-        dl = _DLPack()
-        _core.call("Layout", self.runtime.id, dl(topk_idx), num_experts, per_rank.data_ptr(), per_expert.data_ptr(),
-                   in_rank.data_ptr(), *self._order(streams))
-        per_rdma_rank = None
-        if self._multi_domain():
-            per_rdma_rank = per_rank.view(-1, 8).sum(1, dtype=torch.int32)
-        return per_rank, per_rdma_rank, per_expert, in_rank, self._finish(
-            async_finish, (topk_idx, per_rank, per_expert, in_rank), streams)
-
-    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
-                 handle: Optional[Tuple] = None,
-                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
-                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
-                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> \
-            Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], Optional[torch.Tensor],
-                  Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
-        """
-        Sends every token to the ranks that hold its experts (a collective call). Received tokens are ordered by
-        source rank, then by the source's token index.
-
-        Arguments:
-            x: `[num_tokens, hidden]` with `torch.bfloat16` (rows move as bytes: any dtype works, as in DeepEP), or a
-                tuple of `[num_tokens, hidden]` with `torch.float8_e4m3fn` (or another 1-byte dtype) and its scales
-                `[num_tokens, hidden // 128]` with `torch.float` (or `torch.int`, packed UE8M0), row-major or column-major
-                (strides `(1, num_tokens)`, as `scales.T.contiguous().T` and DeepGEMM's TMA-aligned scales, whose larger
-                stride may be padded).
-            handle: the handle of an earlier dispatch to reuse its layout (cached mode: the same tokens go to the same
-                ranks; the top-k arguments must be None, the layout tensors are ignored); the tuple (or a list of it).
-            num_tokens_per_rank: `[num_ranks]` with `torch.int`, from `get_dispatch_layout`.
-            num_tokens_per_rdma_rank: `[num_rdma_ranks]` with `torch.int` across NVLink domains; ignored within one, as
-                by DeepEP (`get_dispatch_layout` returns None there).
-            is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, from `get_dispatch_layout`.
-            num_tokens_per_expert: `[num_experts]` with `torch.int`, from `get_dispatch_layout`.
-            topk_idx: `[num_tokens, num_topk]` with `pyep.topk_idx_t`, the experts of each token (-1 for none), or None.
-            topk_weights: `[num_tokens, num_topk]` with `torch.float`, the weights of those experts (with topk_idx).
-            expert_alignment: the received token count of each local expert is aligned up to this.
-            num_worst_tokens: if positive, the outputs have exactly this many rows (the received tokens first, then
-                padding with `recv_topk_idx` -1) and `num_recv_tokens_per_expert_list` is empty; every rank must receive
-                at most this many tokens.
-            config: the performance config; `get_dispatch_config(num_ranks)` when None.
-            previous_event: an event to wait for before the dispatch.
-            async_finish: whether to return an event instead of making the current stream wait.
-            allocate_on_comm_stream: whether the outputs belong to the communication stream (needs previous_event
-                and async_finish).
-
-        Returns:
-            recv_x: the received tokens, the same type (tensor or tuple) as `x`, `[num_recv_tokens, hidden]` (on cuda
-                a view of rows allocated for the most this rank could receive; see the README, PYEP_QUEUED_DISPATCH);
-                received scales are row-major `[num_recv_tokens, hidden // 128]` of the scales' dtype, as DeepEP's.
-            recv_topk_idx: `[num_recv_tokens, num_topk]` with `pyep.topk_idx_t`: the local expert index on this rank,
-                -1 for experts elsewhere (None in cached mode or without topk_idx).
-            recv_topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, 0 where the index is -1 (None likewise).
-            num_recv_tokens_per_expert_list: a list of `num_local_experts` ints, the tokens each local expert receives,
-                each aligned up to `expert_alignment` (empty with num_worst_tokens; None in cached mode).
-            handle: `(rank_prefix_matrix [num_ranks, num_ranks] int32, channel_prefix_matrix [num_ranks, num_channels]
-                int32, recv_channel_prefix_matrix [num_ranks, num_channels] int32, recv_src_idx [num_recv_tokens] int32,
-                is_token_in_rank [num_tokens, num_ranks] bool, send_head [num_tokens, num_ranks] int32)`, for `combine`
-                and cached dispatch (None in cached mode). Pass the tuple itself: only it is accepted. Its int32
-                tensors, recv_src_idx, recv_topk_idx, recv_topk_weights and the received scales are views of one
-                allocation (recv_x has its own).
-            event: the event of the dispatch (set when `async_finish`).
-        """
-        config = self._config(config, self.get_dispatch_config)
-        device = self._device()
-        if self._multi_domain():
-            return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, config,
-                                           previous_event, async_finish, allocate_on_comm_stream)
-        if isinstance(x, tuple) and len(x) != 2:
-            raise ValueError(f"x: a tuple of {len(x)}, expected a tensor or the pair (x, x_scales)")
-        x, x_scales = x if isinstance(x, tuple) else (x, None)
-        if x_scales is None:
-            _check_tensor("x", x, None, (None, None), device)
-        else:
-            _check_tensor("x[0]", x, None, (None, None), device)
-            if x.element_size() != 1:
-                raise ValueError(f"x[0]: dtype {x.dtype}, expected 1-byte elements with scales (torch.float8_e4m3fn)")
-            _check_scales("x[1]", x_scales, x.size(0), device)
-        num_tokens, R = x.size(0), self.group_size
-        _check_int("expert_alignment", expert_alignment, 1)
-        _check_int("num_worst_tokens", num_worst_tokens, 0)
-        streams = self._events(previous_event, async_finish, allocate_on_comm_stream)
-        stream, order = self._order(streams)
-        fields = (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-                  config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
-        C = config.num_sms // 2
-        rid = self.runtime.id
-        dl = _DLPack()
-
-        if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("topk_idx, topk_weights: must be None with a handle (cached dispatch)")
-            rank_prefix, channel_prefix, _, recv_src_idx, is_token_in_rank, _ = self._check_handle(handle, 6)
-            _check_tensor("handle is_token_in_rank", is_token_in_rank, (torch.bool,), (num_tokens, R), device)
-            if channel_prefix.size(1) != C:
-                raise ValueError(f"config: {C} channels, the handle's dispatch used {channel_prefix.size(1)}")
-            rows = recv_src_idx.size(0)
-            with self._allocating(streams):
-                recv_x = torch.empty((rows, x.size(1)), dtype=x.dtype, device=device)
-                recv_scales = None if x_scales is None else torch.empty((rows, x_scales.size(1)), dtype=x_scales.dtype, device=device)
-            _core.call("Dispatch", rid, *fields, 0, rows, rows, dl(x), dl(x_scales), 0, 0, dl(is_token_in_rank),
-                       rank_prefix.data_ptr(), channel_prefix.data_ptr(), recv_x.data_ptr(), _addr(recv_scales),
-                       0, 0, 0, 0, 0, stream, order)
-            recv = recv_x if x_scales is None else (recv_x, recv_scales)
-            return recv, None, None, None, None, self._finish(
-                async_finish, (x, x_scales, is_token_in_rank, rank_prefix, recv_x, recv_scales), streams)
-
-        for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                        ("num_tokens_per_expert", num_tokens_per_expert)):
-            if t is None:
-                raise ValueError(f"{name}: required without a handle (from get_dispatch_layout)")
-        _check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32,), (R,), device)
-        _check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (num_tokens, R), device)
-        _check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), (None,), device)
-        num_experts = num_tokens_per_expert.size(0)
-        if num_experts == 0 or num_experts % R:
-            raise ValueError(f"num_tokens_per_expert: {num_experts} experts, expected a positive multiple of num_ranks = {R}")
-        if (topk_idx is None) != (topk_weights is None):
-            raise ValueError("topk_idx, topk_weights: pass both or neither")
-        K = 0
-        if topk_idx is not None:
-            _check_tensor("topk_idx", topk_idx, (topk_idx_t,), (num_tokens, None), device, _TOPK_HINT)
-            _check_tensor("topk_weights", topk_weights, (torch.float32,), (num_tokens, topk_idx.size(1)), device)
-            K = topk_idx.size(1)
-        S, sdt = (0, torch.float32) if x_scales is None else (x_scales.size(1), x_scales.dtype)
-
-        # The handle's tensors and num_recv_tokens_per_expert (0-4), then the received rows' small tensors (5-8:
-        # recv_src_idx, recv_x_scales, recv_topk_idx, recv_topk_weights) in one allocation, recv_x in its own.
-        i32, f32 = torch.int32, torch.float32
-        head = ((i32, (R, R)), (i32, (R, C)), (i32, (R, C)), (i32, (num_experts // R,)), (i32, (num_tokens, R)))
-
-        def allocate(rows, specs=()):
-            """recv_x and the packed tensors specs + the received rows' (these from index len(specs))."""
-            with self._allocating(streams):
-                return (torch.empty((rows, x.size(1)), dtype=x.dtype, device=device),
-                        _Packed(specs + ((i32, (rows,)), (sdt, (rows, S)), (topk_idx_t, (rows, K)), (f32, (rows, K))), device))
-
-        def dispatch(p, at, recv_x, rows):
-            """The data phase into rows received rows, after a DispatchNotify."""
-            _core.call("Dispatch", rid, *fields, num_experts, num_worst_tokens, rows, dl(x), dl(x_scales), dl(topk_idx),
-                       dl(topk_weights), layout[2], h.addr(0), h.addr(1), recv_x.data_ptr(), p.addr(at + 1) if S else 0,
-                       p.addr(at), p.addr(at + 2) if K else 0, p.addr(at + 3) if K else 0, 0, h.addr(4),
-                       stream, order & _ORDER_AFTER)
-
-        layout = (dl(num_tokens_per_rank), dl(num_tokens_per_expert), dl(is_token_in_rank))
-        if num_worst_tokens == 0 and self._queues_dispatch():
-            # The data phase is queued behind notify before the counts reach the host, into rows for the most
-            # this rank can receive when every rank has as many tokens (or the most seen before); the returned
-            # tensors are views of the rows received. If some rank's rows do not fit, nothing moved and the
-            # data phase runs again into exact rows.
-            capacity = max(R * num_tokens, self._queued_rows, 1)
-            recv_x, h = allocate(capacity, head)
-            p, at = h, len(head)
-            n = _core.call("DispatchQueued", rid, *fields, num_experts, expert_alignment, capacity, *layout,
-                           h.addr(0), h.addr(1), h.addr(2), h.addr(3), dl(x), dl(x_scales), dl(topk_idx), dl(topk_weights),
-                           recv_x.data_ptr(), h.addr(at + 1) if S else 0, h.addr(at), h.addr(at + 2) if K else 0,
-                           h.addr(at + 3) if K else 0, h.addr(4), stream, order)
-            if n >= 0:
-                rows = n
-                if n < capacity:
-                    recv_x = recv_x[:n]
-            else:
-                rows = -n - 1
-                self._queued_rows = max(self._queued_rows, rows)
-                recv_x, p = allocate(rows)
-                at = 0
-                dispatch(p, at, recv_x, rows)
-        else:
-            with self._allocating(streams):
-                h = _Packed(head, device)
-            rows = _core.call("DispatchNotify", rid, *fields, num_experts, expert_alignment, num_worst_tokens, *layout,
-                              h.addr(0), h.addr(1), h.addr(2), h.addr(3), dl(topk_idx), stream, order & _ORDER_BEFORE)
-            if num_worst_tokens > 0:
-                rows = num_worst_tokens
-            recv_x, p = allocate(rows)
-            at = 0
-            dispatch(p, at, recv_x, rows)
-        recv_src_idx = p.view(at, rows)
-        recv_scales = p.view(at + 1, rows) if S else None
-        recv_topk_idx = p.view(at + 2, rows) if K else None
-        recv_topk_weights = p.view(at + 3, rows) if K else None
-        handle = self._remember((h.view(0), h.view(1), h.view(2), recv_src_idx, is_token_in_rank, h.view(4)))
-        if num_worst_tokens > 0:
-            per_expert_list = []
-        elif device.type == "cuda":
-            # The host's copy from notify: reading the tensor would wait for the streams.
-            per_expert_list = list(map(int, _core.call("BufferRecvPerExpert", rid).split()))
-        else:
-            per_expert_list = h.view(3).tolist()
-        recv = recv_x if x_scales is None else (recv_x, recv_scales)
-        event = self._finish(async_finish, (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
-                                            is_token_in_rank, recv_x, h.block, p.block), streams)
-        return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, event
-
-    def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
-                bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
-                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
-                async_finish: bool = False, allocate_on_comm_stream: bool = False) -> \
-            Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
-        """
-        Sends the expert outputs back to the ranks their tokens came from and sums them there (without weights;
-        a collective call).
-
-        Arguments:
-            x: `[num_recv_tokens, hidden]` with `torch.bfloat16` (on the cpu backend also `torch.float16`/`torch.float32`),
-                the rows received by the dispatch, in its order (padding rows of num_worst_tokens are ignored).
-            handle: the handle returned by the dispatch (the tuple, or a list of it).
-            topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, weights to reduce alongside, or None.
-            bias: None, one or a pair of `[num_tokens, hidden]` tensors of x's dtype, added to every combined token.
-            config: the performance config; when None, `get_combine_config(num_ranks)` with the dispatch's `num_sms`.
-            previous_event: an event to wait for before the combine.
-            async_finish: whether to return an event instead of making the current stream wait.
-            allocate_on_comm_stream: whether the outputs belong to the communication stream (needs previous_event
-                and async_finish).
-
-        Returns:
-            combined_x: `[num_tokens, hidden]` of x's dtype: per token, the sum of the copies returned by each rank
-                it was sent to (summed in float32, rounded once), plus the bias.
-            combined_topk_weights: `[num_tokens, num_topk]` with `torch.float`, the summed weights (None without
-                topk_weights).
-            event: the event of the combine (set when `async_finish`).
-        """
-        if self._multi_domain():
-            return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                          allocate_on_comm_stream)
-        rank_prefix, _, recv_channel_prefix, src_idx, _, send_head = self._check_handle(handle, 6)
-        if config is None:
-            # Combine runs on the dispatch's channels: the recommended config with the handle's SM count.
-            c = self.get_combine_config(self.group_size)
-            config = Config._trusted((2 * recv_channel_prefix.size(1),) + c._fields()[1:])
-        config = self._config(config, self.get_combine_config)
-        device = self._device()
-        num_tokens, R = send_head.size(0), self.group_size
-        _check_tensor("x", x, _ROW_DTYPES, (None, None), device)
-        if x.size(0) < src_idx.size(0):
-            raise ValueError(f"x: {x.size(0)} rows, expected the dispatch's {src_idx.size(0)} received rows")
-        if recv_channel_prefix.size(1) != config.num_sms // 2:
-            raise ValueError(f"config: {config.num_sms // 2} channels, the handle's dispatch used {recv_channel_prefix.size(1)}"
-                             f" (num_sms = {2 * recv_channel_prefix.size(1)})")
-        if topk_weights is not None:
-            _check_tensor("topk_weights", topk_weights, (torch.float32,), (x.size(0), None), device)
-        biases = bias if isinstance(bias, tuple) else (bias,)
-        if len(biases) > 2:
-            raise ValueError(f"bias: expected None, a tensor or a pair of tensors, got {len(biases)} tensors")
-        biases = tuple(biases) + (None,) * (2 - len(biases))
-        for i, b in enumerate(biases):
-            if b is not None:
-                _check_tensor(f"bias[{i}]", b, (x.dtype,), (num_tokens, x.size(1)), device)
-        streams = self._events(previous_event, async_finish, allocate_on_comm_stream)
-        with self._allocating(streams):
-            combined_x = torch.empty((num_tokens, x.size(1)), dtype=x.dtype, device=device)
-            combined_weights = None
-            if topk_weights is not None:
-                combined_weights = torch.empty((num_tokens, topk_weights.size(1)), dtype=torch.float32, device=device)
-        dl = _DLPack()
-        # Rows past the dispatch's received rows are num_worst_tokens padding: they do not move.
-        _core.call("Combine", self.runtime.id, config.num_sms, config.num_max_nvl_chunked_send_tokens,
-                   config.num_max_nvl_chunked_recv_tokens, config.num_max_rdma_chunked_send_tokens,
-                   config.num_max_rdma_chunked_recv_tokens, num_tokens, src_idx.size(0), dl(x), dl(topk_weights),
-                   src_idx.data_ptr(), rank_prefix.data_ptr(), recv_channel_prefix.data_ptr(), send_head.data_ptr(),
-                   dl(biases[0]), dl(biases[1]), combined_x.data_ptr(), _addr(combined_weights), *self._order(streams))
-        return combined_x, combined_weights, self._finish(
-            async_finish, (x, topk_weights, src_idx, rank_prefix, recv_channel_prefix, send_head) + biases +
-            (combined_x, combined_weights), streams)

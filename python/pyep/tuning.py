@@ -26,8 +26,10 @@ Where it lives: `$PYEP_TUNING_FILE` when set (one file; used only when its num_r
 letters, digits, '.', '_' and '-' replaced by '_').
 
 Files are read once per process and path and kept in memory (dispatch may ask for its config on every
-call); `save` refreshes the cache, `clear_cache` forgets it. A missing file means "not tuned" (None); an
-unreadable or malformed one warns once and is treated as missing.
+call); `save` refreshes the cache, `clear_cache` forgets it. A Buffer keeps the recommended configs it
+looked up until `Buffer.set_num_sms`, `save` or `clear_cache` (so a change of $PYEP_TUNING_FILE reaches a
+dispatch without a config after `clear_cache`). A missing file means "not tuned" (None); an unreadable
+or malformed one warns once and is treated as missing.
 """
 import datetime
 import json
@@ -97,9 +99,15 @@ def tuning_path(num_ranks: int, device: Optional[str] = None) -> str:
     return path
 
 
+# Counts clear_cache calls: a Buffer keeps the recommended configs it looked up until this changes.
+generation = 0
+
+
 def clear_cache() -> None:
     """Forgets every file read so far; the next lookup reads the file again."""
+    global generation
     _cache.clear()
+    generation += 1
 
 
 def _read(path: str) -> Optional[dict]:
@@ -249,5 +257,5 @@ def save(table: dict, path: Optional[str] = None) -> str:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    _cache.clear()  # every spelling of the path
+    clear_cache()  # every spelling of the path
     return path

@@ -1,0 +1,135 @@
+"""Host time of pyep's normal-mode calls, one rank, one GPU (or the cpu backend): where each call's microseconds go.
+
+    python bench/hostpath.py                      # 4096 tokens, hidden 7168, top-8 of 256 experts, Buffer.num_sms
+    python bench/hostpath.py --tokens 1024 --iters 500 --json out.json
+
+For get_dispatch_layout, dispatch (BF16, FP8), cached dispatch and combine it times, per call, with the device idle
+before each one (torch.cuda.synchronize) and the medians of --iters calls:
+    python  Python's part: from the call to the Go core's entry (LastEntryNs, the core's CLOCK_MONOTONIC stamp, which
+            is time.perf_counter's clock);
+    go      from there to right after the last kernel launch (BufferLastLaunchNs; cuda only);
+    launch  the two together: the call's host time up to its last launch;
+    return  the call to its return (a dispatch waits for notify's count; the call's Python after the core included).
+Every dispatch passes the tensors its layout returned, as a model does. A pyep build without LastEntryNs (before
+the host path) still gives launch and return.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import pyep
+from pyep import _core
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--sms", type=int, default=None, help="Buffer.set_num_sms (default: pyep's)")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--json", help="also write the medians (and every sample) here")
+    return p.parse_args(argv)
+
+
+def stamps(rid, cuda):
+    """The core's entry and last-launch stamps, in ns (None where this build or backend has none)."""
+    entry = launch = None
+    try:
+        entry = _core.call("LastEntryNs")
+    except (AttributeError, _core.PyepError):
+        pass
+    if cuda:
+        launch = _core.call("BufferLastLaunchNs", rid)
+    return entry, launch
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(0)
+    store = tempfile.mkdtemp(prefix="pyep-hostpath-")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+    group = dist.group.WORLD
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if args.sms:
+        pyep.Buffer.set_num_sms(args.sms)
+    T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
+    buffer = pyep.Buffer(group, pyep.Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(H * 2, 1))
+    rid = buffer.runtime.id
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).to(device)
+    x_bf16 = x.to(torch.bfloat16)
+    blocks = x.view(T, H // 128, 128)
+    amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
+    x_fp8 = ((blocks * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(T, H), (amax / 448.0).contiguous())
+    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(device)
+    weights = torch.rand(T, K, generator=g).to(device)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    recv, _, recv_w, _, handle, _ = buffer.dispatch(x_bf16, **layout, topk_idx=topk, topk_weights=weights)
+    y = recv.clone()
+
+    calls = {
+        "layout": lambda: buffer.get_dispatch_layout(topk, E),
+        "dispatch_bf16": lambda: buffer.dispatch(x_bf16, **layout, topk_idx=topk, topk_weights=weights),
+        "dispatch_fp8": lambda: buffer.dispatch(x_fp8, **layout, topk_idx=topk, topk_weights=weights),
+        "dispatch_cached": lambda: buffer.dispatch(x_bf16, handle=handle),
+        "combine_bf16": lambda: buffer.combine(y, handle, topk_weights=recv_w),
+    }
+    columns = ("python", "go", "launch", "return")
+    report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "pyep": pyep.__version__,
+              "tokens": T, "hidden": H, "topk": K, "experts": E, "num_sms": pyep.Buffer.num_sms, "iters": args.iters,
+              "median_us": {}, "samples_us": {}}
+    print(f"pyep {pyep.__version__} on {report['device']}: {T} tokens, hidden {H}, top-{K} of {E} experts, "
+          f"{pyep.Buffer.num_sms} SMs; medians of {args.iters} calls, the device idle before each (µs)")
+    print(f"{'call':16s}" + "".join(f"{c:>10s}" for c in columns))
+    for name, call in calls.items():
+        samples = {c: [] for c in columns}
+        for i in range(args.warmup + args.iters):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            call()
+            t1 = time.perf_counter_ns()
+            entry, launch = stamps(rid, cuda)
+            if i < args.warmup:
+                continue
+            samples["return"].append((t1 - t0) / 1e3)
+            if entry is not None:
+                samples["python"].append((entry - t0) / 1e3)
+            if launch is not None:
+                samples["launch"].append((launch - t0) / 1e3)
+                if entry is not None:
+                    samples["go"].append((launch - entry) / 1e3)
+        if name == "layout":
+            # The dispatches pass the last layout's tensors, as a model's dispatch does.
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
+            layout.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        med = {c: round(statistics.median(v), 2) if v else None for c, v in samples.items()}
+        report["median_us"][name] = med
+        report["samples_us"][name] = samples
+        print(f"{name:16s}" + "".join(f"{'-' if med[c] is None else format(med[c], '.1f'):>10s}" for c in columns))
+    if cuda:
+        torch.cuda.synchronize()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    time.sleep(0.1)  # gloo's worker threads release the barrier's tensors (see README, Known issues)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

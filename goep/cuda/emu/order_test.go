@@ -1,0 +1,56 @@
+package emu_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda"
+	"github.com/pyep/pyep/goep/dlpack"
+)
+
+// TestEmulatedStreamOrder: a call queues its stream order itself: before its first launch the
+// wait for previous_event or for the caller's stream, after its last launch the caller's wait
+// (none with async_finish).
+func TestEmulatedStreamOrder(t *testing.T) {
+	e := newDomain(t, 1, 8<<20)[0]
+	exit, err := e.be.Enter()
+	require.NoError(t, err)
+	caller, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	previous, err := e.drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	require.NoError(t, previous.Record(caller))
+	exit()
+	t.Cleanup(func() {
+		exit, err := e.be.Enter()
+		require.NoError(t, err)
+		defer exit()
+		assert.NoError(t, previous.Destroy())
+		assert.NoError(t, caller.Destroy())
+	})
+	topk := e.upload(t, dlpack.I64, bytesOf([]int64{0, 1, 2, 3}), 2, 2)
+	s, ev := caller.Raw(), previous.Raw()
+	for _, tt := range []struct {
+		name           string
+		order          goep.StreamOrder
+		records, waits int
+	}{
+		{"current stream", goep.StreamOrder{Stream: s, Flags: goep.OrderWait | goep.OrderJoin}, 2, 2},
+		{"previous_event", goep.StreamOrder{Stream: s, Event: ev, Flags: goep.OrderPrevious | goep.OrderJoin}, 1, 2},
+		{"previous_event, async_finish", goep.StreamOrder{Stream: s, Event: ev, Flags: goep.OrderPrevious | goep.OrderOnComm}, 0, 1},
+		{"async_finish", goep.StreamOrder{Stream: s, Flags: goep.OrderWait}, 1, 1},
+		{"none (cpu-like)", goep.StreamOrder{}, 0, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			records, waits := e.drv.Calls("EventRecord"), e.drv.Calls("StreamWaitEvent")
+			require.NoError(t, e.be.Layout(&goep.LayoutOp{NumExperts: 4, NumRanks: 1, TopkIdx: topk.t,
+				PerRank: e.alloc(t, dlpack.I32, 1).t, PerExpert: e.alloc(t, dlpack.I32, 4).t,
+				InRank: e.alloc(t, dlpack.BoolT, 2, 1).t, Order: tt.order}))
+			assert.Equal(t, tt.records, e.drv.Calls("EventRecord")-records, "event records")
+			assert.Equal(t, tt.waits, e.drv.Calls("StreamWaitEvent")-waits, "stream waits")
+		})
+	}
+}

@@ -1,0 +1,564 @@
+"""Normal mode of pyep.Buffer (get_dispatch_layout, dispatch, cached dispatch, combine), DeepEP V1's methods.
+
+Each call's host time is spent where it must be: Python reads the call's objects into integers (a tensor into the
+eight integers of the core's goep.Desc: data_ptr, dtype, device, dimensions, two sizes, two strides), allocates the
+outputs with torch (the caching allocator) and builds the returned tuples; the Go core checks every argument once,
+with the messages users see, orders the streams and launches. Nothing is checked twice, no DLPack capsule or torch
+Stream object is made, and the Go functions are called without gopy's Python wrappers."""
+import array
+import functools
+import os
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from . import _core, tuning
+from .config import Config
+from .utils import EventHandle, EventOverlap
+
+# The dtype of expert indices that every API takes (DeepEP's deep_ep.topk_idx_t).
+topk_idx_t = torch.int64
+
+_QUEUED_DISPATCH = os.environ.get("PYEP_QUEUED_DISPATCH", "1") != "0"
+
+# goep.StreamOrder's flags.
+_WAIT, _JOIN, _ON_COMM, _PREVIOUS = 1, 2, 4, 8
+
+_go = _core.go
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class _Codes(dict):
+    """torch objects to the core's integer codes, each computed on first sight."""
+
+    def __init__(self, code) -> None:
+        super().__init__()
+        self.code = code
+
+    def __missing__(self, key):
+        value = self[key] = self.code(key)
+        return value
+
+
+def _torch_names():
+    dtypes, devices = _core.call("TorchNames").split(";")
+    dtype_index = {name: i for i, name in enumerate(dtypes.split())}
+    device_index = {name: i for i, name in enumerate(devices.split())}
+    by_code = {}
+    for d in vars(torch).values():
+        if isinstance(d, torch.dtype) and str(d)[6:] in dtype_index:
+            by_code[dtype_index[str(d)[6:]]] = d
+    return dtype_index, device_index, by_code
+
+
+_DTYPE_INDEX, _DEVICE_INDEX, _DTYPE_OF = _torch_names()
+_ITEMSIZE = {code: d.itemsize for code, d in _DTYPE_OF.items()}
+_INT32, _BOOL = _DTYPE_INDEX["int32"], _DTYPE_INDEX["bool"]
+# A dtype's index in the core's list (-1: one it does not know), and a device's code (goep.DeviceCode).
+_DT = _Codes(lambda d: _DTYPE_INDEX.get(str(d)[6:], -1))
+_DV = _Codes(lambda d: _DEVICE_INDEX.get(d.type, len(_DEVICE_INDEX)) << 16 | (0 if d.index is None else d.index + 1))
+_NONE = (0, -1, 0, -1, 0, 0, 0, 0)
+
+
+def _desc(name: str, t: object) -> tuple:
+    """A tensor, or None, as the eight integers of the core's goep.Desc; the core checks them."""
+    if t is None:
+        return _NONE
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    shape, stride = t.shape, t.stride()
+    # A Desc holds two sizes: no argument of pyep has more dimensions, and the core names the shape.
+    s, st = tuple(shape[:2]) + (0, 0), tuple(stride[:2]) + (0, 0)
+    return t.data_ptr(), _DT[t.dtype], _DV[t.device], len(shape), s[0], s[1], st[0], st[1]
+
+
+def _desc2(name: str, t: object) -> tuple:
+    """_desc for an argument that should have two dimensions: every call reads several, so the usual case is the
+    quick one."""
+    if t is None:
+        return _NONE
+    try:
+        s0, s1 = t.shape
+        t0, t1 = t.stride()
+        return t.data_ptr(), _DT[t.dtype], _DV[t.device], 2, s0, s1, t0, t1
+    except (AttributeError, TypeError, ValueError):
+        return _desc(name, t)
+
+
+def _desc1(name: str, t: object) -> tuple:
+    """_desc for an argument that should have one dimension."""
+    if t is None:
+        return _NONE
+    try:
+        s0, = t.shape
+        t0, = t.stride()
+        return t.data_ptr(), _DT[t.dtype], _DV[t.device], 1, s0, 0, t0, 0
+    except (AttributeError, TypeError, ValueError):
+        return _desc(name, t)
+
+
+def _int(name: str, value: object, low: int) -> int:
+    """An int argument (bools too, as DeepEP's binding takes them) that torch needs before the core checks it."""
+    if not isinstance(value, int):
+        raise ValueError(f"{name} = {value!r}: expected an int >= {low}")
+    return int(value)
+
+
+def _raise_int(e: TypeError, **ints) -> None:
+    """gopy refuses an argument that is not an int with a TypeError that names none: name the argument."""
+    for name, (value, low) in ints.items():
+        _int(name, value, low)
+    raise e
+
+
+def _align(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+@functools.lru_cache(maxsize=256)
+def _handle_layout(R: int, C: int, T: int, rows: int, per_expert: int) -> Tuple[int, ...]:
+    """Offsets (in int32s) of rank_prefix_matrix [R, R], channel_prefix_matrix and recv_channel_prefix_matrix
+    [R, C], send_head [T, R], recv_src_idx [rows] and num_recv_tokens_per_expert in a handle's int32 block, each on
+    a 256-byte boundary, and the block's int32s."""
+    offsets, end = [], 0
+    for n in (R * R, R * C, R * C, T * R, rows, per_expert):
+        offsets.append(end)
+        end += _align(4 * n) // 4
+    return tuple(offsets) + (max(end, 64),)
+
+
+@functools.lru_cache(maxsize=256)
+def _recv_layout(rows: int, row_bytes: int, S: int, K: int) -> Tuple[int, ...]:
+    """Byte offsets of recv_x [rows, row_bytes], its scales [rows, S] float32, recv_topk_idx [rows, K] int64 and
+    recv_topk_weights [rows, K] float32 in one block, each on a 256-byte boundary, and the block's float32s (the
+    block's type: the views of scales and weights need no view of its type)."""
+    offsets, end = [], 0
+    for n in (rows * row_bytes, rows * S * 4, rows * K * 8, rows * K * 4):
+        offsets.append(end)
+        end += _align(n)
+    return tuple(offsets) + (max(end, 256) // 4,)
+
+
+def _rows(typed: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
+    """The row-major [rows, cols] tensor at byte offset of a block viewed as typed."""
+    return typed.as_strided((rows, cols), (cols, 1), offset // typed.itemsize)
+
+
+class NormalMode:
+    """Buffer's normal-mode methods; `_normal_init` sets what they look up once per buffer."""
+
+    def _normal_init(self) -> None:
+        self._rid = self.runtime.id
+        dev = self.runtime.get_local_device_id()
+        self._cuda = dev >= 0
+        self._device_index = dev
+        self._device = torch.device("cuda", dev) if dev >= 0 else torch.device("cpu")
+        self._device_code = _DV[self._device]
+        self._multi_domain = self.runtime.get_num_rdma_ranks() > 1
+        self._queued_rows = 0  # the most rows a queued dispatch of this rank had to redo
+        self._configs = {}  # recommended configs' fields, by (kind, Buffer.num_sms, tuning.generation, channels)
+        self._layout = None  # the last layout's tensors and their descriptions (see get_dispatch_layout)
+        self._counts = array.array("i", bytes(4 * 64))  # num_recv_tokens_per_expert, written by the core
+
+    # ---- per-call helpers ---------------------------------------------------------------------------------------
+
+    def _fields(self, config: Optional[Config], kind: str, channels: int = 0) -> tuple:
+        """The config's five fields; for None the recommended one's, looked up again only after set_num_sms or a
+        tuning file's save or clear_cache (combine's with the handle's SM count: it runs on the dispatch's channels)."""
+        if config is not None:
+            if not isinstance(config, Config):
+                raise TypeError(f"config must be a pyep.Config, got {type(config).__name__}")
+            return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                    config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+        key = (kind, type(self).num_sms, tuning.generation, channels)
+        fields = self._configs.get(key)
+        if fields is None:
+            if kind == "dispatch":
+                fields = self.get_dispatch_config(self.group_size)._fields()
+            else:
+                fields = (2 * channels,) + self.get_combine_config(self.group_size)._fields()[1:]
+            self._configs[key] = fields
+        return fields
+
+    def _order(self, previous_event: Optional[EventOverlap], async_finish: bool,
+               allocate_on_comm_stream: bool) -> Tuple[int, int]:
+        """The event and flags of goep.StreamOrder (DeepEP's stream semantics: the work waits for previous_event, or
+        else the current stream; the current stream waits for it unless async_finish)."""
+        flags = (0 if async_finish else _JOIN) | (_ON_COMM if allocate_on_comm_stream else 0)
+        if previous_event is None:
+            return 0, flags | _WAIT
+        if not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
+        flags |= _PREVIOUS
+        handle = previous_event.event
+        if handle is None or handle.event is None:
+            return 0, flags | _WAIT
+        if not self._cuda:
+            handle.event.synchronize()  # the cpu backend's calls run on the host
+            return 0, flags
+        return handle.event.cuda_event, flags
+
+    def _empty(self, flags: int, size: Union[int, Tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+        if flags & _ON_COMM and self._cuda:
+            with torch.cuda.stream(self.get_comm_stream()):
+                return torch.empty(size, dtype=dtype, device=self._device)
+        return torch.empty(size, dtype=dtype, device=self._device)
+
+    def _finish(self, async_finish: bool, flags: int, tensors: tuple) -> EventOverlap:
+        if not async_finish:
+            return EventOverlap(None)  # the core made the current stream wait
+        if not self._cuda:
+            # The cpu backend has finished when its call returns: the event is already complete.
+            return EventOverlap(EventHandle(), tensors)
+        # The tensors stay allocated until the communication stream is past this call (and, when they were
+        # allocated there, until the compute stream is past what it has queued so far).
+        comm = self.get_comm_stream()
+        compute = torch.cuda.current_stream() if flags & _ON_COMM else None
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(comm)
+                if compute is not None:
+                    t.record_stream(compute)
+        return EventOverlap(EventHandle(stream=comm), tensors)
+
+    def _handle_meta(self, handle: object) -> tuple:
+        """(identity, num_tokens, channels, rows, the data addresses of the six tensors) of a handle that this buffer's
+        dispatch returned. The core takes a handle's tensors as bare addresses: its first tensor carries the identity
+        of the buffer and of the others, so that only the tuple this buffer returned passes."""
+        if not isinstance(handle, (tuple, list)) or len(handle) != 6:
+            raise ValueError("handle: expected the 6-tuple returned by this buffer's dispatch")
+        tag = getattr(handle[0], "_pyep_handle", None)
+        if tag is None or tag[0] != (self._rid, id(handle[1]), id(handle[2]), id(handle[3]), id(handle[4]), id(handle[5])):
+            raise ValueError("handle: not returned by a dispatch of this buffer (a handle of another buffer?)")
+        return tag
+
+    def _remember(self, handle: tuple, T: int, C: int, rows: int, addresses: tuple) -> tuple:
+        """Tags a handle with its identity, sizes and the data addresses of its six tensors (see _handle_meta)."""
+        handle[0]._pyep_handle = ((self._rid, id(handle[1]), id(handle[2]), id(handle[3]), id(handle[4]), id(handle[5])),
+                                  T, C, rows) + addresses
+        return handle
+
+    def _counts_for(self, n: int) -> int:
+        """The address of room for n int32 counts."""
+        if len(self._counts) < n:
+            self._counts = array.array("i", bytes(4 * n))
+        return self._counts.buffer_info()[0]
+
+    # ---- the API -----------------------------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False) -> \
+            Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """
+        Calculates the layout a dispatch needs from each token's experts.
+
+        Arguments:
+            topk_idx: `[num_tokens, num_topk]` with `pyep.topk_idx_t` (`torch.int64`), the expert of each of a token's
+                top-k choices, `-1` for none; experts are split evenly, rank r holding
+                `[r * num_experts / num_ranks, (r + 1) * num_experts / num_ranks)`. An index out of range raises
+                ValueError here on the cpu backend; on cuda (which does not wait for the GPU) the next dispatch
+                raises it, on every rank.
+            num_experts: the number of experts, a multiple of the number of ranks.
+            previous_event: an event to wait for before the computation.
+            async_finish: whether to return an event instead of making the current stream wait.
+            allocate_on_comm_stream: whether the outputs belong to the communication stream (needs previous_event
+                and async_finish).
+
+        Returns:
+            num_tokens_per_rank: `[num_ranks]` with `torch.int`, the tokens sent to each rank.
+            num_tokens_per_rdma_rank: None within one node (`[num_rdma_ranks]` with `torch.int` across nodes).
+            num_tokens_per_expert: `[num_experts]` with `torch.int`, the tokens sent to each expert.
+            is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
+            event: the event of the computation (set when `async_finish`).
+        """
+        tp, tt, tv, tn, T, t1, ts0, ts1 = _desc2("topk_idx", topk_idx)
+        E = num_experts if type(num_experts) is int else _int("num_experts", num_experts, 1)
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            event, flags = 0, _WAIT | _JOIN
+        else:
+            event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
+        stream = _current_stream(self._device_index) if self._cuda else 0
+        R = self.group_size
+        # per_rank [R] and per_expert [E] int32, then in_rank [T, R] bool, in one allocation.
+        at_in_rank = _align(4 * (R + max(E, 0)))
+        block = self._empty(flags, (at_in_rank + _align(T * R)) // 4, torch.int32)
+        base = block.data_ptr()
+        try:
+            _go.Layout(self._rid, E, tp, tt, tv, tn, T, t1, ts0, ts1, base, base + 4 * R, base + at_in_rank,
+                       stream, event, flags)
+        except RuntimeError as e:
+            raise _core.error(e) from None
+        per_rank = block.as_strided((R,), (1,), 0)
+        per_expert = block.as_strided((E,), (1,), R)
+        in_rank = _rows(block.view(torch.bool), at_in_rank, T, R)
+        per_rdma_rank = per_rank.view(-1, 8).sum(1, dtype=torch.int32) if self._multi_domain else None
+        # A dispatch that gets these tensors back unchanged (the same objects, their version counters where they were)
+        # takes their descriptions from here instead of reading them again: a description costs about a microsecond.
+        dev = self._device_code
+        self._layout = (per_rank, per_expert, in_rank, in_rank._version,
+                        (base, _INT32, dev, 1, R, 0, 1, 0, base + 4 * R, _INT32, dev, 1, E, 0, 1, 0,
+                         base + at_in_rank, _BOOL, dev, 2, T, R, R, 1),
+                        topk_idx, topk_idx._version, (tp, tt, tv, tn, T, t1, ts0, ts1))
+        return per_rank, per_rdma_rank, per_expert, in_rank, self._finish(
+            async_finish, flags, (topk_idx, per_rank, per_expert, in_rank))
+
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                 handle: Optional[Tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> \
+            Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], Optional[torch.Tensor],
+                  Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
+        """
+        Sends every token to the ranks that hold its experts (a collective call). Received tokens are ordered by
+        source rank, then by the source's token index.
+
+        Arguments:
+            x: `[num_tokens, hidden]` with `torch.bfloat16` (rows move as bytes: any dtype works, as in DeepEP), or a
+                tuple of `[num_tokens, hidden]` with `torch.float8_e4m3fn` (or another 1-byte dtype) and its scales
+                `[num_tokens, hidden // 128]` with `torch.float` (or `torch.int`, packed UE8M0), row-major or column-major
+                (strides `(1, num_tokens)`, as `scales.T.contiguous().T` and DeepGEMM's TMA-aligned scales, whose larger
+                stride may be padded).
+            handle: the handle of an earlier dispatch to reuse its layout (cached mode: the same tokens go to the same
+                ranks; the top-k arguments must be None, the layout tensors are ignored); the tuple (or a list of it).
+            num_tokens_per_rank: `[num_ranks]` with `torch.int`, from `get_dispatch_layout`.
+            num_tokens_per_rdma_rank: `[num_rdma_ranks]` with `torch.int` across NVLink domains; ignored within one, as
+                by DeepEP (`get_dispatch_layout` returns None there).
+            is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, from `get_dispatch_layout`.
+            num_tokens_per_expert: `[num_experts]` with `torch.int`, from `get_dispatch_layout`.
+            topk_idx: `[num_tokens, num_topk]` with `pyep.topk_idx_t`, the experts of each token (-1 for none), or None.
+            topk_weights: `[num_tokens, num_topk]` with `torch.float`, the weights of those experts (with topk_idx).
+            expert_alignment: the received token count of each local expert is aligned up to this.
+            num_worst_tokens: if positive, the outputs have exactly this many rows (the received tokens first, then
+                padding with `recv_topk_idx` -1) and `num_recv_tokens_per_expert_list` is empty; every rank must receive
+                at most this many tokens.
+            config: the performance config; `get_dispatch_config(num_ranks)` when None.
+            previous_event: an event to wait for before the dispatch.
+            async_finish: whether to return an event instead of making the current stream wait.
+            allocate_on_comm_stream: whether the outputs belong to the communication stream (needs previous_event
+                and async_finish).
+
+        Returns:
+            recv_x: the received tokens, the same type (tensor or tuple) as `x`, `[num_recv_tokens, hidden]` (a view of
+                rows allocated for the most this rank could receive; see the README, PYEP_QUEUED_DISPATCH); received
+                scales are row-major `[num_recv_tokens, hidden // 128]` of the scales' dtype, as DeepEP's.
+            recv_topk_idx: `[num_recv_tokens, num_topk]` with `pyep.topk_idx_t`: the local expert index on this rank,
+                -1 for experts elsewhere (None in cached mode or without topk_idx).
+            recv_topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, 0 where the index is -1 (None likewise).
+            num_recv_tokens_per_expert_list: a list of `num_local_experts` ints, the tokens each local expert receives,
+                each aligned up to `expert_alignment` (empty with num_worst_tokens; None in cached mode).
+            handle: `(rank_prefix_matrix [num_ranks, num_ranks] int32, channel_prefix_matrix [num_ranks, num_channels]
+                int32, recv_channel_prefix_matrix [num_ranks, num_channels] int32, recv_src_idx [num_recv_tokens] int32,
+                is_token_in_rank [num_tokens, num_ranks] bool, send_head [num_tokens, num_ranks] int32)`, for `combine`
+                and cached dispatch (None in cached mode). Pass the tuple itself: only it is accepted. Its int32
+                tensors are views of one allocation; recv_x, its scales, recv_topk_idx and recv_topk_weights of another.
+            event: the event of the dispatch (set when `async_finish`).
+        """
+        if self._multi_domain:
+            return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, config,
+                                           previous_event, async_finish, allocate_on_comm_stream)
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError(f"x: a tuple of {len(x)}, expected a tensor or the pair (x, x_scales)")
+            x, scales = x
+        else:
+            scales = None
+        if handle is not None:
+            return self._dispatch_cached(x, scales, handle, topk_idx, topk_weights, config, previous_event, async_finish,
+                                         allocate_on_comm_stream)
+        f0, f1, f2, f3, f4 = self._fields(config, "dispatch")
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            event, flags = 0, _WAIT | _JOIN
+        else:
+            event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
+        stream = _current_stream(self._device_index) if self._cuda else 0
+        xp, xt, xv, xn, T, H, xs0, xs1 = _desc2("x" if scales is None else "x[0]", x)
+        sp, st, sv, sn, s0, S, ss0, ss1 = _desc2("x[1]", scales)
+        wp, wt, wv, wn, w0, w1, ws0, ws1 = _desc2("topk_weights", topk_weights)
+        lay = self._layout
+        if lay is not None and topk_idx is lay[5] and topk_idx._version == lay[6]:
+            ip, it, iv, in_, i0, K, is0, is1 = lay[7]
+        else:
+            ip, it, iv, in_, i0, K, is0, is1 = _desc2("topk_idx", topk_idx)
+        if (lay is not None and num_tokens_per_rank is lay[0] and num_tokens_per_expert is lay[1]
+                and is_token_in_rank is lay[2] and is_token_in_rank._version == lay[3]):
+            (rp, rt, rv, rn, r0, r1, rs0, rs1, ep, et, ev, en, E, e1, es0, es1,
+             gp, gt, gv, gn, g0, g1, gs0, gs1) = lay[4]
+        else:
+            rp, rt, rv, rn, r0, r1, rs0, rs1 = _desc1("num_tokens_per_rank", num_tokens_per_rank)
+            ep, et, ev, en, E, e1, es0, es1 = _desc1("num_tokens_per_expert", num_tokens_per_expert)
+            gp, gt, gv, gn, g0, g1, gs0, gs1 = _desc2("is_token_in_rank", is_token_in_rank)
+        R, C, rid = self.group_size, f0 // 2, self._rid
+        row_bytes, per_expert = H * _ITEMSIZE.get(xt, 1), E // R
+        counts = self._counts_for(per_expert)
+        queued = _QUEUED_DISPATCH and num_worst_tokens == 0 and type(num_worst_tokens) is int
+        # The handle's int32 tensors in one allocation, the received rows' tensors in another: a handle kept for
+        # combine holds no recv_x. A queued dispatch allocates rows for the most this rank can receive when every
+        # rank has as many tokens (or the most seen before); with num_worst_tokens, that many.
+        if queued:
+            rows = max(R * T, self._queued_rows, 1)
+        else:
+            rows = num_worst_tokens if type(num_worst_tokens) is int and num_worst_tokens > 0 else 0
+        hl = _handle_layout(R, C, T, rows, per_expert)
+        hb = self._empty(flags, hl[6], torch.int32)
+        h = hb.data_ptr()
+        try:
+            if queued:
+                rl = _recv_layout(rows, row_bytes, S, K)
+                rb = self._empty(flags, rl[4], torch.float32)
+                r = rb.data_ptr()
+                n = _go.DispatchQueued(
+                    rid, f0, f1, f2, f3, f4, expert_alignment, rows, xp, xt, xv, xn, T, H, xs0, xs1,
+                    sp, st, sv, sn, s0, S, ss0, ss1, ip, it, iv, in_, i0, K, is0, is1, wp, wt, wv, wn, w0, w1, ws0, ws1,
+                    rp, rt, rv, rn, r0, r1, rs0, rs1, ep, et, ev, en, E, e1, es0, es1, gp, gt, gv, gn, g0, g1, gs0, gs1,
+                    h, h + 4 * hl[1], h + 4 * hl[2], h + 4 * hl[5], h + 4 * hl[3], counts,
+                    r, r + rl[1] if S else 0, h + 4 * hl[4], r + rl[2] if K else 0, r + rl[3] if K else 0,
+                    stream, event, flags)
+                ran, out = n >= 0, (n if n >= 0 else -n - 1)
+            else:
+                out = _go.DispatchNotify(
+                    rid, f0, f1, f2, f3, f4, expert_alignment, num_worst_tokens, xp, xt, xv, xn, T, H, xs0, xs1,
+                    sp, st, sv, sn, s0, S, ss0, ss1, ip, it, iv, in_, i0, K, is0, is1, wp, wt, wv, wn, w0, w1, ws0, ws1,
+                    rp, rt, rv, rn, r0, r1, rs0, rs1, ep, et, ev, en, E, e1, es0, es1, gp, gt, gv, gn, g0, g1, gs0, gs1,
+                    h, h + 4 * hl[1], h + 4 * hl[2], h + 4 * hl[5], h + 4 * hl[3], counts, stream, event, flags)
+                ran = False
+            src_block, src_at = hb, 4 * hl[4]
+            if not ran:
+                # The data phase into exact rows: the count was not known, or exceeded the rows allocated.
+                if queued:
+                    self._queued_rows = max(self._queued_rows, out)
+                rl = _recv_layout(out, row_bytes, S, K)
+                rb = self._empty(flags, rl[4], torch.float32)
+                r = rb.data_ptr()
+                if out > rows:
+                    src_block, src_at = self._empty(flags, max(out, 1), torch.int32), 0
+                _go.DispatchRecv(rid, out, r, r + rl[1] if S else 0, src_block.data_ptr() + src_at,
+                                 r + rl[2] if K else 0, r + rl[3] if K else 0, stream, flags)
+        except RuntimeError as e:
+            raise _core.error(e) from None
+        except TypeError as e:
+            _raise_int(e, expert_alignment=(expert_alignment, 1), num_worst_tokens=(num_worst_tokens, 0))
+        dtype = _DTYPE_OF[xt]
+        recv_x = _rows(rb if dtype is torch.float32 else rb.view(dtype), 0, out, H)
+        recv = recv_x if scales is None else (recv_x, _rows(rb if st != _INT32 else rb.view(torch.int32), rl[1], out, S))
+        recv_topk_idx = _rows(rb.view(torch.int64), rl[2], out, K) if K else None
+        recv_topk_weights = _rows(rb, rl[3], out, K) if K else None
+        src = (h if src_block is hb else src_block.data_ptr()) + src_at
+        handle = self._remember((_rows(hb, 0, R, R), _rows(hb, 4 * hl[1], R, C), _rows(hb, 4 * hl[2], R, C),
+                                 src_block.as_strided((out,), (1,), src_at // 4), is_token_in_rank,
+                                 _rows(hb, 4 * hl[3], T, R)), T, C, out,
+                                (h, h + 4 * hl[1], h + 4 * hl[2], src, gp, h + 4 * hl[3]))
+        per_expert_list = [] if num_worst_tokens else self._counts[:per_expert].tolist()
+        return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, self._finish(
+            async_finish, flags, (x, scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
+                                  is_token_in_rank, hb, rb, src_block))
+
+    def _dispatch_cached(self, x, scales, handle, topk_idx, topk_weights, config, previous_event, async_finish,
+                         allocate_on_comm_stream):
+        if topk_idx is not None or topk_weights is not None:
+            raise ValueError("topk_idx, topk_weights: must be None with a handle (cached dispatch)")
+        _, T, C, rows, rank_prefix, channel_prefix, _, _, in_rank, _ = self._handle_meta(handle)
+        f0, f1, f2, f3, f4 = self._fields(config, "dispatch")
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            event, flags = 0, _WAIT | _JOIN
+        else:
+            event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
+        stream = _current_stream(self._device_index) if self._cuda else 0
+        xp, xt, xv, xn, xT, H, xs0, xs1 = _desc2("x" if scales is None else "x[0]", x)
+        sp, st, sv, sn, s0, S, ss0, ss1 = _desc2("x[1]", scales)
+        dtype = _DTYPE_OF.get(xt, torch.uint8)
+        if scales is None:
+            block = recv_x = self._empty(flags, (rows, H), dtype)
+            r, at_scales = recv_x.data_ptr(), 0
+        else:
+            at_scales = _align(rows * H * _ITEMSIZE.get(xt, 1))
+            block = self._empty(flags, (at_scales + _align(rows * S * 4)) // 4, torch.float32)
+            r = block.data_ptr()
+        try:
+            _go.DispatchCached(self._rid, f0, f1, f2, f3, f4, xp, xt, xv, xn, xT, H, xs0, xs1, sp, st, sv, sn, s0, S, ss0,
+                               ss1, T, C, rows, rank_prefix, channel_prefix, in_rank, r, r + at_scales if S else 0,
+                               stream, event, flags)
+        except RuntimeError as e:
+            raise _core.error(e) from None
+        if scales is not None:
+            recv_x = _rows(block.view(dtype), 0, rows, H)
+            recv = (recv_x, _rows(block if st != _INT32 else block.view(torch.int32), at_scales, rows, S))
+        else:
+            recv = recv_x
+        return recv, None, None, None, None, self._finish(async_finish, flags, (x, scales, handle[0], handle[1],
+                                                                                 handle[4], block))
+
+    def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False) -> \
+            Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """
+        Sends the expert outputs back to the ranks their tokens came from and sums them there (without weights;
+        a collective call).
+
+        Arguments:
+            x: `[num_recv_tokens, hidden]` with `torch.bfloat16` (on the cpu backend also `torch.float16`/`torch.float32`),
+                the rows received by the dispatch, in its order (padding rows of num_worst_tokens are ignored).
+            handle: the handle returned by the dispatch (the tuple, or a list of it).
+            topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, weights to reduce alongside, or None.
+            bias: None, one or a pair of `[num_tokens, hidden]` tensors of x's dtype, added to every combined token.
+            config: the performance config; when None, `get_combine_config(num_ranks)` with the dispatch's `num_sms`.
+            previous_event: an event to wait for before the combine.
+            async_finish: whether to return an event instead of making the current stream wait.
+            allocate_on_comm_stream: whether the outputs belong to the communication stream (needs previous_event
+                and async_finish).
+
+        Returns:
+            combined_x: `[num_tokens, hidden]` of x's dtype: per token, the sum of the copies returned by each rank
+                it was sent to (summed in float32, rounded once), plus the bias.
+            combined_topk_weights: `[num_tokens, num_topk]` with `torch.float`, the summed weights (None without
+                topk_weights).
+            event: the event of the combine (set when `async_finish`).
+        """
+        if self._multi_domain:
+            return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                          allocate_on_comm_stream)
+        _, T, C, rows, rank_prefix, _, recv_channel_prefix, src_idx, _, send_head = self._handle_meta(handle)
+        f0, f1, f2, f3, f4 = self._fields(config, "combine", C)
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            event, flags = 0, _WAIT | _JOIN
+        else:
+            event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
+        stream = _current_stream(self._device_index) if self._cuda else 0
+        if bias is None or not isinstance(bias, tuple):
+            bias0, bias1 = bias, None
+        elif len(bias) > 2:
+            raise ValueError(f"bias: expected None, a tensor or a pair of tensors, got {len(bias)} tensors")
+        else:
+            bias0, bias1 = tuple(bias) + (None,) * (2 - len(bias))
+        xp, xt, xv, xn, x0, H, xs0, xs1 = _desc2("x", x)
+        wp, wt, wv, wn, w0, K, ws0, ws1 = _desc2("topk_weights", topk_weights)
+        ap, at, av, an, a0, a1, as0, as1 = _desc2("bias[0]", bias0)
+        bp, bt, bv, bn, b0, b1, bs0, bs1 = _desc2("bias[1]", bias1)
+        dtype = _DTYPE_OF.get(xt, torch.uint8)
+        if topk_weights is None:
+            block = combined_x = self._empty(flags, (T, H), dtype)
+            out, at_weights = combined_x.data_ptr(), 0
+        else:
+            at_weights = _align(T * H * _ITEMSIZE.get(xt, 1))
+            block = self._empty(flags, (at_weights + _align(T * K * 4)) // 4, torch.float32)
+            out = block.data_ptr()
+        try:
+            _go.Combine(self._rid, f0, f1, f2, f3, f4, xp, xt, xv, xn, x0, H, xs0, xs1, wp, wt, wv, wn, w0, K, ws0, ws1,
+                        ap, at, av, an, a0, a1, as0, as1, bp, bt, bv, bn, b0, b1, bs0, bs1, T, C, rows, src_idx,
+                        rank_prefix, recv_channel_prefix, send_head, out, out + at_weights if K else 0,
+                        stream, event, flags)
+        except RuntimeError as e:
+            raise _core.error(e) from None
+        combined_weights = None
+        if topk_weights is not None:
+            combined_x = _rows(block.view(dtype), 0, T, H)
+            combined_weights = _rows(block, at_weights, T, K)
+        return combined_x, combined_weights, self._finish(
+            async_finish, flags, (x, topk_weights, bias0, bias1) + handle + (block,))
