@@ -183,6 +183,10 @@ func (ts *Tensors) arg(name string, d Desc, optional bool, dtypes []dlpack.DType
 	for _, want := range dtypes {
 		ok = ok || dt == want
 	}
+	if !ok && dtypes == nil {
+		ts.Err = Argf("%s: dtype %s, expected a real, integer or bool dtype (rows move as bytes)", name, dtypeName(d.DType))
+		return dlpack.Tensor{}
+	}
 	if !ok {
 		ts.Err = Argf("%s: dtype %s, expected %s", name, dtypeName(d.DType), dtypesText(dtypes))
 		return dlpack.Tensor{}

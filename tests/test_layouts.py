@@ -149,7 +149,7 @@ def test_num_tokens_per_rdma_rank_ignored_within_one_domain(group, device):
 
 def test_across_domains_dispatch_and_combine_go_to_internode(group, device, monkeypatch):
     buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(group.size()), 256 * 2)
-    monkeypatch.setattr(buffer, "_multi_domain_cached", True, raising=False)
+    monkeypatch.setattr(buffer, "_multi_domain", True)
     x = torch.zeros(4, 256, dtype=torch.bfloat16, device=device)
     with pytest.raises(pyep.NotAvailableError, match=r"^Buffer\.internode_dispatch: normal mode across NVLink domains"):
         buffer.dispatch(x)

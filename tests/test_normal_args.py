@@ -60,17 +60,17 @@ def dispatch_calls(device, R, x, topk, w, E, layout):
     no_experts = dict(layout, num_tokens_per_expert=layout["num_tokens_per_expert"][:0])
     meta_in_rank = dict(layout, is_token_in_rank=layout["is_token_in_rank"].to("meta"))
     return [
-        (r"x: dtype torch.int32, expected torch.bfloat16 or torch.float16 or torch.float32", ValueError,
-         lambda b: b.dispatch(x.int(), **layout)),
+        (r"x: dtype torch.complex64, expected a real, integer or bool dtype \(rows move as bytes\)", ValueError,
+         lambda b: b.dispatch(x.to(torch.complex64), **layout)),
         (r"x: shape \[8192\], expected \[\*, \*\]", ValueError, lambda b: b.dispatch(x.flatten(), **layout)),
         ("x must be a torch.Tensor, got NoneType", TypeError, lambda b: b.dispatch(None, **layout)),
-        (r"x\[0\]: dtype torch.bfloat16, expected torch.float8_e4m3fn", ValueError,
+        (r"x\[0\]: dtype torch.bfloat16, expected 1-byte elements with scales \(torch.float8_e4m3fn\)", ValueError,
          lambda b: b.dispatch((x, fp8[1]), **layout)),
-        (r"x\[1\]: dtype torch.float16, expected torch.float32", ValueError,
+        (r"x\[1\]: dtype torch.float16, expected torch.float32 or torch.int32", ValueError,
          lambda b: b.dispatch((fp8[0], fp8[1].half()), **layout)),
         (rf"x\[1\]: shape \[16, 2\], expected \[{T}, \*\]", ValueError,
          lambda b: b.dispatch((fp8[0], fp8[1][:16]), **layout)),
-        (r"x\[1\]: not contiguous; pass x\[1\].contiguous\(\)", ValueError,
+        (rf"x\[1\]: strides \(4, 2\) for shape \[{T}, 2\]: expected row-major \(2, 1\) or column-major \(1, {T}\)", ValueError,
          lambda b: b.dispatch((fp8[0], torch.rand(T, 4, device=device)[:, ::2]), **layout)),
         ("num_tokens_per_rank: required without a handle \\(from get_dispatch_layout\\)", ValueError,
          lambda b: b.dispatch(x, **no)),

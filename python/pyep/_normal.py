@@ -561,4 +561,4 @@ class NormalMode:
             combined_x = _rows(block.view(dtype), 0, T, H)
             combined_weights = _rows(block, at_weights, T, K)
         return combined_x, combined_weights, self._finish(
-            async_finish, flags, (x, topk_weights, bias0, bias1) + handle + (block,))
+            async_finish, flags, (x, topk_weights, bias0, bias1) + tuple(handle) + (block,))
