@@ -62,8 +62,9 @@ class BuildGo(build_py):
         env["PATH"] = os.pathsep.join([tools, os.path.dirname(go), env.get("PATH", "")])
         env.setdefault("CGO_ENABLED", "1")
         run([go, "build", "-o", tools + os.sep, "github.com/go-python/gopy", "golang.org/x/tools/cmd/goimports"], env)
-        # gopy builds in its output folder with `go build`, which must lie inside this module.
-        out = os.path.join(ROOT, "build", "gopy")
+        # gopy builds in its output folder with `go build`, which must lie inside this module; a folder whose name
+        # starts with "_" is left out of `./...`, so `go vet ./...` and `go test ./...` never see the generated code.
+        out = os.path.join(ROOT, "build", "_gopy")
         shutil.rmtree(out, ignore_errors=True)
         run([os.path.join(tools, "gopy"), "build", f"-output={out}", f"-name={GOPY_NAME}",
              f"-vm={sys.executable}", "-dynamic-link=true", "-no-make=true", "./pyep"], env)

@@ -221,6 +221,14 @@ class NormalMode:
                     t.record_stream(compute)
         return EventOverlap(EventHandle(stream=comm), tensors)
 
+    def _rows_block(self, flags: int, rows: int, H: int, xt: int, words: int) -> Tuple[torch.Tensor, int]:
+        """One allocation for `rows` rows of H elements of dtype code xt and, if words, `rows` x `words` 4-byte words
+        after them (scales, weights): the block (the rows themselves when words is 0) and the words' byte offset."""
+        if not words:
+            return self._empty(flags, (rows, H), _DTYPE_OF.get(xt, torch.uint8)), 0
+        at = _align(rows * H * _ITEMSIZE.get(xt, 1))
+        return self._empty(flags, (at + _align(rows * words * 4)) // 4, torch.float32), at
+
     def _handle_meta(self, handle: object) -> tuple:
         """(identity, num_tokens, channels, rows, the data addresses of the six tensors) of a handle that this buffer's
         dispatch returned. The core takes a handle's tensors as bare addresses: its first tensor carries the identity
@@ -472,24 +480,21 @@ class NormalMode:
         xp, xt, xv, xn, xT, H, xs0, xs1 = _desc2("x" if scales is None else "x[0]", x)
         sp, st, sv, sn, s0, S, ss0, ss1 = _desc2("x[1]", scales)
         dtype = _DTYPE_OF.get(xt, torch.uint8)
-        if scales is None:
-            block = recv_x = self._empty(flags, (rows, H), dtype)
-            r, at_scales = recv_x.data_ptr(), 0
-        else:
-            at_scales = _align(rows * H * _ITEMSIZE.get(xt, 1))
-            block = self._empty(flags, (at_scales + _align(rows * S * 4)) // 4, torch.float32)
-            r = block.data_ptr()
+        block, at_scales = self._rows_block(flags, rows, H, xt, 0 if scales is None else S)
+        r = block.data_ptr()
         try:
             _go.DispatchCached(self._rid, f0, f1, f2, f3, f4, xp, xt, xv, xn, xT, H, xs0, xs1, sp, st, sv, sn, s0, S, ss0,
                                ss1, T, C, rows, rank_prefix, channel_prefix, in_rank, r, r + at_scales if S else 0,
                                stream, event, flags)
         except RuntimeError as e:
             raise _core.error(e) from None
-        if scales is not None:
-            recv_x = _rows(block.view(dtype), 0, rows, H)
-            recv = (recv_x, _rows(block if st != _INT32 else block.view(torch.int32), at_scales, rows, S))
+        if scales is not None and S:
+            recv = (_rows(block.view(dtype), 0, rows, H),
+                    _rows(block if st != _INT32 else block.view(torch.int32), at_scales, rows, S))
+        elif scales is not None:
+            recv = (block, block.new_empty((rows, 0), dtype=_DTYPE_OF.get(st, torch.float32)))
         else:
-            recv = recv_x
+            recv = block
         return recv, None, None, None, None, self._finish(async_finish, flags, (x, scales, handle[0], handle[1],
                                                                                  handle[4], block))
 
@@ -542,13 +547,8 @@ class NormalMode:
         ap, at, av, an, a0, a1, as0, as1 = _desc2("bias[0]", bias0)
         bp, bt, bv, bn, b0, b1, bs0, bs1 = _desc2("bias[1]", bias1)
         dtype = _DTYPE_OF.get(xt, torch.uint8)
-        if topk_weights is None:
-            block = combined_x = self._empty(flags, (T, H), dtype)
-            out, at_weights = combined_x.data_ptr(), 0
-        else:
-            at_weights = _align(T * H * _ITEMSIZE.get(xt, 1))
-            block = self._empty(flags, (at_weights + _align(T * K * 4)) // 4, torch.float32)
-            out = block.data_ptr()
+        block, at_weights = self._rows_block(flags, T, H, xt, 0 if topk_weights is None else K)
+        combined_x, out = block, block.data_ptr()
         try:
             _go.Combine(self._rid, f0, f1, f2, f3, f4, xp, xt, xv, xn, x0, H, xs0, xs1, wp, wt, wv, wn, w0, K, ws0, ws1,
                         ap, at, av, an, a0, a1, as0, as1, bp, bt, bv, bn, b0, b1, bs0, bs1, T, C, rows, src_idx,
