@@ -630,9 +630,8 @@ func (b *Backend) CheckPeers(nvlRank int, ranks []int, tokens [][]byte) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	own.self, own.ranks, own.peerTokens = nvlRank, append([]int(nil), ranks...), nil
-	own.procs = make([]string, n)
+	own.procs = procs
 	for i, raw := range tokens {
-		own.procs[i] = procs[i]
 		if i != nvlRank {
 			b.slots[string(raw)] = nvlRank
 			b.checked[string(raw)] = true
