@@ -181,22 +181,25 @@ class NormalMode:
         return fields
 
     def _order(self, previous_event: Optional[EventOverlap], async_finish: bool,
-               allocate_on_comm_stream: bool) -> Tuple[int, int]:
-        """The event and flags of goep.StreamOrder (DeepEP's stream semantics: the work waits for previous_event, or
-        else the current stream; the current stream waits for it unless async_finish)."""
+               allocate_on_comm_stream: bool) -> Tuple[int, int, int]:
+        """The stream, event and flags of goep.StreamOrder (DeepEP's stream semantics: the work waits for
+        previous_event, or else the current stream; the current stream waits for it unless async_finish)."""
+        stream = _current_stream(self._device_index) if self._cuda else 0
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            return stream, 0, _WAIT | _JOIN  # the usual call, first
         flags = (0 if async_finish else _JOIN) | (_ON_COMM if allocate_on_comm_stream else 0)
         if previous_event is None:
-            return 0, flags | _WAIT
+            return stream, 0, flags | _WAIT
         if not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
         flags |= _PREVIOUS
         handle = previous_event.event
         if handle is None or handle.event is None:
-            return 0, flags | _WAIT
+            return stream, 0, flags | _WAIT
         if not self._cuda:
             handle.event.synchronize()  # the cpu backend's calls run on the host
-            return 0, flags
-        return handle.event.cuda_event, flags
+            return stream, 0, flags
+        return stream, handle.event.cuda_event, flags
 
     def _empty(self, flags: int, size: Union[int, Tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
         if flags & _ON_COMM and self._cuda:
@@ -282,11 +285,7 @@ class NormalMode:
         """
         tp, tt, tv, tn, T, t1, ts0, ts1 = _desc2("topk_idx", topk_idx)
         E = num_experts if type(num_experts) is int else _int("num_experts", num_experts, 1)
-        if previous_event is None and not async_finish and not allocate_on_comm_stream:
-            event, flags = 0, _WAIT | _JOIN
-        else:
-            event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
-        stream = _current_stream(self._device_index) if self._cuda else 0
+        stream, event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
         R = self.group_size
         # per_rank [R] and per_expert [E] int32, then in_rank [T, R] bool, in one allocation.
         at_in_rank = _align(4 * (R + max(E, 0)))
@@ -380,11 +379,7 @@ class NormalMode:
             return self._dispatch_cached(x, scales, handle, topk_idx, topk_weights, config, previous_event, async_finish,
                                          allocate_on_comm_stream)
         f0, f1, f2, f3, f4 = self._fields(config, "dispatch")
-        if previous_event is None and not async_finish and not allocate_on_comm_stream:
-            event, flags = 0, _WAIT | _JOIN
-        else:
-            event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
-        stream = _current_stream(self._device_index) if self._cuda else 0
+        stream, event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
         xp, xt, xv, xn, T, H, xs0, xs1 = _desc2("x" if scales is None else "x[0]", x)
         sp, st, sv, sn, s0, S, ss0, ss1 = _desc2("x[1]", scales)
         wp, wt, wv, wn, w0, w1, ws0, ws1 = _desc2("topk_weights", topk_weights)
@@ -472,11 +467,7 @@ class NormalMode:
             raise ValueError("topk_idx, topk_weights: must be None with a handle (cached dispatch)")
         _, T, C, rows, rank_prefix, channel_prefix, _, _, in_rank, _ = self._handle_meta(handle)
         f0, f1, f2, f3, f4 = self._fields(config, "dispatch")
-        if previous_event is None and not async_finish and not allocate_on_comm_stream:
-            event, flags = 0, _WAIT | _JOIN
-        else:
-            event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
-        stream = _current_stream(self._device_index) if self._cuda else 0
+        stream, event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
         xp, xt, xv, xn, xT, H, xs0, xs1 = _desc2("x" if scales is None else "x[0]", x)
         sp, st, sv, sn, s0, S, ss0, ss1 = _desc2("x[1]", scales)
         dtype = _DTYPE_OF.get(xt, torch.uint8)
@@ -531,11 +522,7 @@ class NormalMode:
                                           allocate_on_comm_stream)
         _, T, C, rows, rank_prefix, _, recv_channel_prefix, src_idx, _, send_head = self._handle_meta(handle)
         f0, f1, f2, f3, f4 = self._fields(config, "combine", C)
-        if previous_event is None and not async_finish and not allocate_on_comm_stream:
-            event, flags = 0, _WAIT | _JOIN
-        else:
-            event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
-        stream = _current_stream(self._device_index) if self._cuda else 0
+        stream, event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
         if bias is None or not isinstance(bias, tuple):
             bias0, bias1 = bias, None
         elif len(bias) > 2:
