@@ -1,7 +1,6 @@
 package jit
 
 import (
-	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
@@ -15,69 +14,29 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"time"
 )
-
-// Options are what a kernel is compiled for. Together with the source, its headers and the
-// NVRTC version they make the cache key.
-type Options struct {
-	// Arch is the GPU to compile for: a real architecture ("sm_90", "sm_90a") for a cubin. With
-	// PTX it may also be a virtual one ("compute_90"); sm_XX is then read as compute_XX.
-	Arch string
-	// Defines become -DNAME=VALUE (-DNAME when VALUE is empty): the shape constants, such as
-	// PYEP_HIDDEN_BYTES, that kernels are specialised on.
-	Defines map[string]string
-	// Flags are further NVRTC options, e.g. "-lineinfo", "--maxrregcount=128".
-	Flags []string
-	// PTX asks for PTX instead of a cubin: for GPUs newer than this NVRTC knows, whose driver
-	// can still JIT it. Cubins are the default because they load without a second compile.
-	PTX bool
-}
-
-// baseFlags go to every compile. NVRTC optimises device code fully by default (it rejects -O3),
-// so there is no optimisation flag here.
-var baseFlags = []string{"-std=c++17"}
-
-var archRE = regexp.MustCompile(`^(sm|compute)_([0-9]+[a-z]?)$`)
-
-// nvrtcOptions is the complete, deterministic NVRTC command line for o.
-func (o Options) nvrtcOptions() ([]string, error) {
-	m := archRE.FindStringSubmatch(o.Arch)
-	switch {
-	case m == nil:
-		return nil, fmt.Errorf("pyep: jit: arch %q: expected sm_XX (e.g. sm_90) or, for PTX, compute_XX", o.Arch)
-	case !o.PTX && m[1] == "compute":
-		return nil, fmt.Errorf("pyep: jit: arch %q is virtual: a cubin needs a real arch such as sm_%s", o.Arch, m[2])
-	}
-	arch := o.Arch
-	if o.PTX {
-		arch = "compute_" + m[2]
-	}
-	opts := append([]string{"--gpu-architecture=" + arch}, baseFlags...)
-	names := make([]string, 0, len(o.Defines))
-	for name, value := range o.Defines {
-		if !identRE.MatchString(name) || strings.ContainsAny(value, "\n\r") {
-			return nil, fmt.Errorf("pyep: jit: define %s=%q: expected an identifier and a one-line value", name, value)
-		}
-		names = append(names, name)
-	}
-	sort.Strings(names)
-	for _, name := range names {
-		if v := o.Defines[name]; v != "" {
-			opts = append(opts, "-D"+name+"="+v)
-		} else {
-			opts = append(opts, "-D"+name)
-		}
-	}
-	return append(opts, o.Flags...), nil
-}
 
 // keyVersion changes whenever the key's recipe or the cache file format does.
 const keyVersion = "pyep-jit-1"
 
-// cacheKey hashes everything that can change the compiler's output. Each part is length-prefixed
-// so that no two different inputs can run together into the same byte stream.
-func cacheKey(src Source, flags []string, ptx bool, nvrtcVersion string) string {
+// keyInput is everything that can change a compiler's output, for either compiler: the key of a
+// cubin and of a host library are made by one recipe (cacheKey), so that a change to a kernel,
+// a header, a define, a flag or the compiler misses the cache alike in both.
+type keyInput struct {
+	// compiler names the compiler and its version. NVRTC: its "major.minor"; the host compiler:
+	// "host", its path and its --version text.
+	compiler string
+	// output is what the compiler emits. NVRTC: "true" for PTX, "false" for a cubin (so keys of
+	// NVRTC are those that keyVersion has always made); the host compiler: "so".
+	output string
+	// flags is the complete command line but for file names: arch, -D defines, options.
+	flags []string
+	src   Source
+}
+
+// cacheKey is the hex SHA-256 of in. Each part is length-prefixed so that no two different
+// inputs can run together into the same byte stream.
+func cacheKey(in keyInput) string {
 	h := sha256.New()
 	put := func(s string) {
 		var n [8]byte
@@ -86,20 +45,42 @@ func cacheKey(src Source, flags []string, ptx bool, nvrtcVersion string) string 
 		io.WriteString(h, s)
 	}
 	put(keyVersion)
-	put(nvrtcVersion)
-	put(fmt.Sprint(ptx))
-	put(fmt.Sprint(len(flags)))
-	for _, f := range flags {
+	put(in.compiler)
+	put(in.output)
+	put(fmt.Sprint(len(in.flags)))
+	for _, f := range in.flags {
 		put(f)
 	}
-	put(src.Name)
-	put(src.Text)
-	put(fmt.Sprint(len(src.Headers)))
-	for _, hd := range src.Headers {
+	put(in.src.Name)
+	put(in.src.Text)
+	put(fmt.Sprint(len(in.src.Headers)))
+	for _, hd := range in.src.Headers {
 		put(hd.Name)
 		put(hd.Text)
 	}
 	return hex.EncodeToString(h.Sum(nil))
+}
+
+// defineFlags are -DNAME=VALUE (-DNAME when VALUE is empty), sorted by name: both compilers take
+// a kernel's shape constants this way.
+func defineFlags(defines map[string]string) ([]string, error) {
+	names := make([]string, 0, len(defines))
+	for name, value := range defines {
+		if !identRE.MatchString(name) || strings.ContainsAny(value, "\n\r") {
+			return nil, fmt.Errorf("pyep: jit: define %s=%q: expected an identifier and a one-line value", name, value)
+		}
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	flags := make([]string, 0, len(names))
+	for _, name := range names {
+		if v := defines[name]; v != "" {
+			flags = append(flags, "-D"+name+"="+v)
+		} else {
+			flags = append(flags, "-D"+name)
+		}
+	}
+	return flags, nil
 }
 
 // DefaultDir is the on-disk cache: $PYEP_JIT_CACHE_DIR, else pyep under the user's cache
@@ -119,14 +100,15 @@ func DefaultDir() (string, error) {
 type Stats struct {
 	MemoryHits int64 // answered from this process's memory
 	DiskHits   int64 // read from the cache directory
-	Compiles   int64 // compiled by NVRTC (successfully)
+	Compiles   int64 // compiled by NVRTC or the host compiler (successfully)
 }
 
-// Cache compiles sources with NVRTC and keeps the results in memory and in a directory.
-// Compiling takes hundreds of milliseconds to seconds per kernel configuration, and every rank
-// of every run needs the same ones, so results are kept across processes. Safe for concurrent
-// use, also by several processes sharing the directory: files appear atomically (temporary
-// file, then rename), and two processes racing on one key both write the same bytes.
+// Cache compiles sources, with NVRTC for the GPU (Compile) or with the host C++ compiler for
+// the emulator (CompileHost), and keeps the results in memory and in a directory. Compiling
+// takes hundreds of milliseconds to seconds per kernel configuration, and every rank of every
+// run needs the same ones, so results are kept across processes. Safe for concurrent use, also
+// by several processes sharing the directory: files appear atomically (temporary file, then
+// rename), and two processes racing on one key both write equivalent files.
 type Cache struct {
 	dir string
 	log io.Writer
@@ -137,12 +119,12 @@ type Cache struct {
 	memoryHits, diskHits, compiles atomic.Int64
 }
 
-// entry is one key's result; done is closed once data/err are set, so that concurrent callers
+// entry is one key's result; done is closed once value/err are set, so that concurrent callers
 // for a key wait for one compile instead of starting their own.
 type entry struct {
-	done chan struct{}
-	data []byte
-	err  error
+	done  chan struct{}
+	value any // []byte (NVRTC) or *Library (host)
+	err   error
 }
 
 // NewCache returns a cache over dir; with dir "" it keeps results in memory only.
@@ -179,16 +161,10 @@ func Default() *Cache {
 	return defaultCache
 }
 
-// Compile compiles src for opts through the Default cache.
-func Compile(src Source, opts Options) ([]byte, error) { return Default().Compile(src, opts) }
-
-// Compile returns the cubin (or PTX) of src for opts, from memory, from disk, or by running
-// NVRTC. The returned slice is shared with the cache and with other callers: do not modify it.
-func (c *Cache) Compile(src Source, opts Options) ([]byte, error) {
-	key, flags, nv, err := c.key(src, opts)
-	if err != nil {
-		return nil, err
-	}
+// once returns key's value from memory, or runs load for it; concurrent callers of one key
+// share one load. Failures are not remembered: a later call may succeed (a fixed source
+// reloaded, memory freed).
+func (c *Cache) once(key string, load func() (any, error)) (any, error) {
 	c.mu.Lock()
 	if e, ok := c.mem[key]; ok {
 		c.mu.Unlock()
@@ -196,71 +172,27 @@ func (c *Cache) Compile(src Source, opts Options) ([]byte, error) {
 		if e.err == nil {
 			c.memoryHits.Add(1)
 		}
-		return e.data, e.err
+		return e.value, e.err
 	}
 	e := &entry{done: make(chan struct{})}
 	c.mem[key] = e
 	c.mu.Unlock()
 
-	e.data, e.err = c.load(src, opts, key, flags, nv)
+	e.value, e.err = load()
 	if e.err != nil {
-		// Not remembered: a later call may succeed (a fixed source reloaded, memory freed).
 		c.mu.Lock()
 		delete(c.mem, key)
 		c.mu.Unlock()
 	}
 	close(e.done)
-	return e.data, e.err
+	return e.value, e.err
 }
 
-// Key is the cache key of src under opts with the loaded NVRTC, as a hex SHA-256.
-func (c *Cache) Key(src Source, opts Options) (string, error) {
-	key, _, _, err := c.key(src, opts)
-	return key, err
-}
-
-func (c *Cache) key(src Source, opts Options) (key string, flags []string, nv *NVRTC, err error) {
-	if flags, err = opts.nvrtcOptions(); err != nil {
-		return "", nil, nil, err
-	}
-	// The cached output is only valid for the NVRTC that made it, so even a disk hit needs
-	// NVRTC found (a dlopen, not a compile).
-	if nv, err = LoadNVRTC(); err != nil {
-		return "", nil, nil, err
-	}
-	return cacheKey(src, flags, opts.PTX, fmt.Sprintf("%d.%d", nv.Major, nv.Minor)), flags, nv, nil
-}
-
-func (c *Cache) load(src Source, opts Options, key string, flags []string, nv *NVRTC) ([]byte, error) {
-	file := ""
-	if c.dir != "" {
-		file = filepath.Join(c.dir, cacheFileName(src.Name, opts, key))
-		if data, err := os.ReadFile(file); err == nil && validOutput(data, opts.PTX) {
-			c.diskHits.Add(1)
-			return data, nil
-		}
-		// Missing, unreadable or not what we write: compile and (re)write it.
-	}
-	start := time.Now()
-	out, _, err := nv.Compile(src.Name, src.Text, src.Headers, flags, opts.PTX)
-	if err != nil {
-		return nil, err
-	}
-	elapsed := time.Since(start)
-	c.compiles.Add(1)
-	where := "kept in memory only"
-	if file != "" {
-		if err := writeAtomic(file, out); err != nil {
-			where = fmt.Sprintf("not cached: %v", err)
-		} else {
-			where = "cached at " + file
-		}
-	}
+// report writes the one line of a compile: what, for what, how long, where it went.
+func (c *Cache) report(name, target string, defines map[string]string, ms int64, where string) {
 	if c.log != nil && !quiet() {
-		fmt.Fprintf(c.log, "pyep: compiled %s for %s%s in %d ms; %s\n",
-			src.Name, opts.Arch, describeDefines(opts.Defines), elapsed.Milliseconds(), where)
+		fmt.Fprintf(c.log, "pyep: compiled %s for %s%s in %d ms; %s\n", name, target, describeDefines(defines), ms, where)
 	}
-	return out, nil
 }
 
 // quiet reports whether PYEP_JIT_QUIET asks for no compile reports.
@@ -292,25 +224,12 @@ func describeDefines(defines map[string]string) string {
 
 var unsafeNameRE = regexp.MustCompile(`[^A-Za-z0-9_.-]+`)
 
-// cacheFileName is "<stem>-<arch>-<key prefix>.cubin": readable enough to tell entries apart
+// entryFileName is "<stem>-<target>-<key prefix><ext>": readable enough to tell entries apart
 // when clearing the directory by hand; 128 bits of key keep collisions out of reach.
-func cacheFileName(name string, opts Options, key string) string {
+func entryFileName(name, target, key, ext string) string {
 	stem := strings.TrimSuffix(path.Base(filepath.ToSlash(name)), path.Ext(name))
 	stem = unsafeNameRE.ReplaceAllString(stem, "_")
-	ext := ".cubin"
-	if opts.PTX {
-		ext = ".ptx"
-	}
-	return fmt.Sprintf("%s-%s-%s%s", stem, unsafeNameRE.ReplaceAllString(opts.Arch, "_"), key[:32], ext)
-}
-
-// validOutput rejects files that are not what we write (say, truncated by a full disk before
-// an older pyep renamed them): a cubin is an ELF image, PTX text declares its version.
-func validOutput(data []byte, ptx bool) bool {
-	if ptx {
-		return bytes.Contains(data, []byte(".version"))
-	}
-	return bytes.HasPrefix(data, []byte("\x7fELF"))
+	return fmt.Sprintf("%s-%s-%s%s", stem, unsafeNameRE.ReplaceAllString(target, "_"), key[:32], ext)
 }
 
 // writeAtomic makes file appear with data all at once: readers (other ranks, other processes)

@@ -1,4 +1,5 @@
-// Package jit compiles pyep's CUDA kernels at run time with NVRTC and caches the results.
+// Package jit compiles pyep's CUDA kernels at run time, with NVRTC for the GPU or with the host
+// C++ compiler for the emulator (goep/cuda/emu), and caches the results.
 //
 // Kernels are specialised on shapes (hidden size, number of ranks, ...) that are known only when
 // a Buffer is created, and on the GPU at hand, so they cannot be prebuilt into the gopy .so
@@ -9,8 +10,10 @@
 // CPU tests compile every kernel on machines without either, and goep/cuda stays a thin
 // driver layer. Both libraries are opened with dlopen, so building pyep needs no CUDA at all.
 //
-// Cache: Compile looks in memory, then in DefaultDir ($PYEP_JIT_CACHE_DIR or ~/.cache/pyep),
-// then runs NVRTC. Keys hash the source and the headers it includes, the full NVRTC command line
-// (arch, -D defines, flags) and the NVRTC version. A compile reports one line on stderr unless
-// PYEP_JIT_QUIET=1.
+// Cache: Compile (a cubin) and CompileHost (a shared object, loaded) look in memory, then in
+// DefaultDir ($PYEP_JIT_CACHE_DIR or ~/.cache/pyep), then compile. Both key by one recipe: the
+// source and the headers it includes, the full command line (arch or host flags, -D defines,
+// flags) and the compiler's identity (the NVRTC version; the host compiler's path and
+// --version). So an edited kernel is a new key for the GPU and the emulator alike, and any shape
+// compiles on demand for either. A compile reports one line on stderr unless PYEP_JIT_QUIET=1.
 package jit

@@ -192,9 +192,13 @@ func TestCacheKey(t *testing.T) {
 	key := func(src Source, opts Options, version string) string {
 		flags, err := opts.nvrtcOptions()
 		require.NoError(t, err)
-		return cacheKey(src, flags, opts.PTX, version)
+		return nvrtcKey(src, flags, opts.PTX, version)
 	}
 	base := key(src, opts, "13.0")
+	// NVRTC's keys are those keyVersion 1 has always made (a GPU host's cache stays warm):
+	// values computed before the host compiler shared the recipe.
+	assert.Equal(t, "b7dae87f5d3f69fab1d080ed1828a2894b46dd3f030721cf942c7f05269effb5", key(src, opts, "12.8"))
+	assert.Equal(t, "0817c54d88faf52d758013bc45f77d52c2710706c6af8136e5fba1024f13d678", key(src, Options{Arch: "sm_90", PTX: true}, "12.8"))
 	assert.Len(t, base, 64)
 	assert.Equal(t, base, key(src, Options{Arch: "sm_90", Defines: map[string]string{"PYEP_RANKS": "8", "PYEP_HIDDEN_BYTES": "14336"}}, "13.0"),
 		"map order must not matter")

@@ -52,16 +52,21 @@ type Header struct {
 	Name, Text string
 }
 
-// CompileError is a failed NVRTC compile; Log is NVRTC's diagnostic output.
+// CompileError is a failed compile; Log is the compiler's diagnostic output.
 type CompileError struct {
-	Name   string // the program name, e.g. kernels/selftest.cu
-	Stage  string // what failed: "create a program for", "compile" or "emit the output of"
-	Result string // NVRTC's name for the failure
-	Log    string
+	Compiler string // "" for NVRTC, else the host compiler's path
+	Name     string // the program name, e.g. kernels/selftest.cu
+	Stage    string // what failed: "create a program for", "compile" or "emit the output of"
+	Result   string // NVRTC's name for the failure
+	Log      string
 }
 
 func (e *CompileError) Error() string {
-	msg := fmt.Sprintf("pyep: NVRTC cannot %s %s: %s", e.Stage, e.Name, e.Result)
+	compiler := e.Compiler
+	if compiler == "" {
+		compiler = "NVRTC"
+	}
+	msg := fmt.Sprintf("pyep: %s cannot %s %s: %s", compiler, e.Stage, e.Name, e.Result)
 	if log := strings.TrimSpace(e.Log); log != "" {
 		msg += "\n" + log
 	}

@@ -3,35 +3,58 @@
 // Package emu runs pyep's CUDA kernels (kernels/*.cu, compiled as C++ against emu.h) on the
 // host, under goep/cuda's fake driver, so that the normal-mode engine and its kernels are
 // tested end to end on machines without a GPU: every CUDA thread is an OS thread, every fake
-// rank a goroutine with its own Backend. The kernel variants it can run are the ones gen.go
-// lists (v_*.cc); a test must use shapes among them.
+// rank a goroutine with its own Backend.
+//
+// The kernels are built when first launched, as on a GPU: goep/jit compiles the embedded
+// source with the engine's defines (any shape) with the host C++ compiler into a shared
+// object, under the cache key discipline of its NVRTC builds (an edited kernel, emu.h or
+// launch.h is a new key), and keeps it in its cache directory for later runs.
 package emu
 
 /*
-#cgo CXXFLAGS: -std=c++17 -O1 -DPYEP_EMU -pthread -Wno-unused-variable -Wno-unused-function
-#cgo LDFLAGS: -pthread -lstdc++
 #include <stdlib.h>
-int emu_find(const char* key, const char* kernel);
-int emu_launch(int id, unsigned grid, unsigned block, const void* params);
+
+// The library's exports (launch.h and the wrapper), called through the addresses dlsym gave.
+typedef const void* (*emu_kernel_fn)(const char* name, const char** why);
+typedef int (*emu_launch_fn)(const void* kernel, unsigned grid, unsigned block, const void* params);
+
+static const void* emu_call_kernel(void* f, const char* name, const char** why) {
+	return ((emu_kernel_fn)f)(name, why);
+}
+static int emu_call_launch(void* f, const void* kernel, unsigned grid, unsigned block, const void* params) {
+	return ((emu_launch_fn)f)(kernel, grid, block, params);
+}
 */
 import "C"
 
 import (
+	_ "embed"
 	"fmt"
-	"sort"
+	"regexp"
 	"strings"
+	"sync"
 	"unsafe"
 
 	"github.com/pyep/pyep/goep/cuda"
 	"github.com/pyep/pyep/goep/cuda/fake"
+	"github.com/pyep/pyep/goep/jit"
 )
 
-// Options are the engine options that run the emulated kernels (block sizes as gen.go built them).
+var (
+	//go:embed emu.h
+	emuH string
+	//go:embed launch.h
+	launchH string
+)
+
+// Options are the engine options that run the emulated kernels: small blocks, since every
+// thread is an OS thread.
 func Options() cuda.NormalOptions {
 	return cuda.NormalOptions{Loader: Loader{}, Threads: 128, NotifyThreads: 64, LayoutThreads: 64}
 }
 
-// Options4 are Options for four ranks (gen.go's four-rank variants).
+// Options4 are Options for four ranks, which need five warps a block (one per rank and the
+// publisher).
 func Options4() cuda.NormalOptions {
 	o := Options()
 	o.Threads = 160
@@ -45,43 +68,37 @@ func OptionsGPU() cuda.NormalOptions {
 	return o
 }
 
-// Key is the canonical string of a define set: sorted NAME or NAME=VALUE, space-separated.
-func Key(defines map[string]string) string {
-	parts := make([]string, 0, len(defines))
-	for k, v := range defines {
-		if v == "" {
-			parts = append(parts, k)
-		} else {
-			parts = append(parts, k+"="+v)
-		}
-	}
-	sort.Strings(parts)
-	return strings.Join(parts, " ")
-}
-
 // Loader is a cuda.KernelLoader for Backends over a fake driver.
 type Loader struct{}
 
-// Load implements cuda.KernelLoader.
+// Load implements cuda.KernelLoader: it builds file with defines for the host (or finds it
+// built) and registers kernel with the backend's fake world.
 func (Loader) Load(b *cuda.Backend, file, kernel string, defines map[string]string) (cuda.Function, error) {
 	d, ok := b.Driver().(*fake.Driver)
 	if !ok {
 		return cuda.Function{}, fmt.Errorf("emu: the backend's driver is not a fake driver")
 	}
-	key := Key(defines)
-	ck, cn := C.CString(key), C.CString(kernel)
-	defer C.free(unsafe.Pointer(ck))
-	defer C.free(unsafe.Pointer(cn))
-	id := C.emu_find(ck, cn)
-	if id < 0 {
-		return cuda.Function{}, fmt.Errorf("emu: %s of %s was not built for %q (add it to gen.go)", kernel, file, key)
+	lib, err := build(file, defines)
+	if err != nil {
+		return cuda.Function{}, err
 	}
-	name := fmt.Sprintf("emu:%d", int(id))
+	cname := C.CString(kernel)
+	defer C.free(unsafe.Pointer(cname))
+	var why *C.char
+	k := C.emu_call_kernel(lib.kernel, cname, &why)
+	if k == nil {
+		reason := "it is not an entry point of the source"
+		if why != nil {
+			reason = C.GoString(why)
+		}
+		return cuda.Function{}, fmt.Errorf("emu: %s of %s cannot run: %s", kernel, file, reason)
+	}
+	name := "emu:" + lib.Key[:16] + ":" + kernel
 	d.World().RegisterKernel(name, func(l *fake.Launch) error {
 		if l.Grid[1] != 1 || l.Grid[2] != 1 || l.Block[1] != 1 || l.Block[2] != 1 {
 			return fmt.Errorf("emu: one-dimensional launches only")
 		}
-		if rc := C.emu_launch(id, C.uint(l.Grid[0]), C.uint(l.Block[0]), l.Args[0]); rc != 0 {
+		if rc := C.emu_call_launch(lib.launch, k, C.uint(l.Grid[0]), C.uint(l.Block[0]), l.Args[0]); rc != 0 {
 			return fmt.Errorf("emu: could not start the threads of %s", l.Name)
 		}
 		return nil
@@ -91,4 +108,89 @@ func (Loader) Load(b *cuda.Backend, file, kernel string, defines map[string]stri
 		return cuda.Function{}, err
 	}
 	return mod.Function(name)
+}
+
+// library is a kernel source built for the host, with its two exports.
+type library struct {
+	*jit.Library
+	kernel, launch unsafe.Pointer // emu_kernel, emu_launch
+}
+
+var (
+	mu        sync.Mutex
+	sources   = map[string]jit.Source{}
+	libraries = map[string]*library{}
+)
+
+// build returns file built with defines.
+func build(file string, defines map[string]string) (*library, error) {
+	mu.Lock()
+	src, ok := sources[file]
+	mu.Unlock()
+	if !ok {
+		var err error
+		if src, err = wrap(file); err != nil {
+			return nil, err
+		}
+		mu.Lock()
+		sources[file] = src
+		mu.Unlock()
+	}
+	lib, err := jit.CompileHost(src, jit.HostOptions{Defines: defines})
+	if err != nil {
+		return nil, fmt.Errorf("emu: building %s for the host: %w", file, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if l, ok := libraries[lib.Key]; ok {
+		return l, nil
+	}
+	l := &library{Library: lib}
+	if l.kernel, err = lib.Symbol("emu_kernel"); err != nil {
+		return nil, err
+	}
+	if l.launch, err = lib.Symbol("emu_launch"); err != nil {
+		return nil, err
+	}
+	libraries[lib.Key] = l
+	return l, nil
+}
+
+// entryRE finds a kernel file's entry points: extern "C" __global__ void [__launch_bounds__(...)] name(.
+var entryRE = regexp.MustCompile(`(?m)^[ \t]*extern[ \t]+"C"[ \t]+__global__[ \t]+void[ \t]+(?:__launch_bounds__\([^)]*\)[ \t]+)?([A-Za-z_][A-Za-z0-9_]*)[ \t]*\(`)
+
+// wrap is the translation unit that the host compiler builds for file: the kernel source under
+// PYEP_EMU (so it includes emu.h instead of utils.cuh), the launcher, and emu_kernel, which
+// finds an entry point by name. Which entry points a build has depends on its defines (notify
+// and the prologue under PYEP_NOTIFY, ...), so every one the source declares is listed, and
+// one that the defines leave out resolves to an emu::Absent object instead: the kernels live
+// in namespace pyep, which unqualified lookup searches before the global namespace, where the
+// using-directive puts the stand-ins.
+func wrap(file string) (jit.Source, error) {
+	k, err := jit.Kernel(file)
+	if err != nil {
+		return jit.Source{}, err
+	}
+	var names []string
+	for _, m := range entryRE.FindAllStringSubmatch(k.Text, -1) {
+		names = append(names, m[1])
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "// The emulator's build of %s (goep/cuda/emu): the kernels, the launcher, and the table of entry points.\n", k.Name)
+	fmt.Fprintf(&b, "#define PYEP_EMU\n#include %q\n#include \"launch.h\"\n\nnamespace emu_absent {\n", file)
+	for _, n := range names {
+		fmt.Fprintf(&b, "const ::emu::Absent %s{};\n", n)
+	}
+	b.WriteString("}  // namespace emu_absent\n\nnamespace pyep {\n")
+	b.WriteString("extern \"C\" __attribute__((visibility(\"default\"))) const ::emu::Kernel* emu_kernel(const char* name, const char** why) {\n")
+	b.WriteString("    using namespace ::emu_absent;\n    static const ::emu::Kernel table[] = {\n")
+	for _, n := range names {
+		fmt.Fprintf(&b, "        ::emu::kernel(%q, %s),\n", n, n)
+	}
+	b.WriteString("    };\n    for (const ::emu::Kernel& k : table) {\n        if (std::strcmp(k.name, name) != 0) continue;\n")
+	b.WriteString("        if (k.fn == nullptr) *why = k.why;\n        return k.fn != nullptr ? &k : nullptr;\n    }\n")
+	b.WriteString("    return nullptr;\n}\n}  // namespace pyep\n")
+	headers := append(append([]jit.Header{}, k.Headers...),
+		jit.Header{Name: file, Text: k.Text}, jit.Header{Name: "emu.h", Text: emuH}, jit.Header{Name: "launch.h", Text: launchH})
+	return jit.Source{Name: "emu/" + strings.TrimSuffix(file, ".cu") + ".cc", Text: b.String(), Headers: headers}, nil
 }
