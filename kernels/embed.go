@@ -4,8 +4,10 @@
 // become compile-time constants (-DPYEP_HIDDEN_BYTES=...) that the compiler can unroll around.
 //
 // Conventions for files here:
-//   - kernels include only our own headers (utils.cuh and other *.cuh at this root): NVRTC is given
-//     no toolkit headers, so <cuda_bf16.h> and friends are not available;
+//   - kernels include only our own headers (utils.cuh, protocol.cuh and other *.cuh at this root):
+//     NVRTC is given no toolkit headers, so <cuda_bf16.h> and friends are not available; under
+//     PYEP_EMU (the emulator, goep/cuda/emu) emu.h stands in for utils.cuh;
+//   - entry points are declared in namespace pyep (the emulator finds them there);
 //   - entry points are extern "C" so that the host looks them up by their plain names;
 //   - a .cu file may declare representative compile-time constants in comment lines of the form
 //     "// pyep:defines NAME=VALUE NAME2=VALUE2"; every such line is one configuration that the
