@@ -626,6 +626,9 @@ func TestEmulatedRoundTrip(t *testing.T) {
 		{name: "odd_hidden_R2", R: 2, T: 45, E: 4, K: 3, hidden: 99, dtype: bf16, cfg: cfg(4, 3, 10), align: 1, bias: 1},
 		{name: "f32_R2", R: 2, T: 30, E: 6, K: 4, hidden: 64, dtype: dlpack.F32, cfg: cfg(2, 2, 5), align: 1, bias: 2},
 		{name: "bf16_R3_silent", R: 3, T: 50, E: 9, K: 4, hidden: 256, dtype: bf16, cfg: cfg(4, 2, 8), align: 1, bias: 1, silent: 2},
+		// Any shape builds at its first launch: rows of 7168 bytes and an odd top-k, which no
+		// kernel built ahead of time had.
+		{name: "bf16_R2_hidden_3584_top5", R: 2, T: 24, E: 10, K: 5, hidden: 3584, dtype: bf16, cfg: cfg(4, 2, 8), align: 1, bias: 1},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
