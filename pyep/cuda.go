@@ -51,7 +51,7 @@ func SetOpTimeout(seconds float64) (err error) {
 	if !(seconds > 0) || seconds > 1e6 {
 		return goep.Argf("seconds = %v: expected a positive number", seconds)
 	}
-	cuda.SetOpTimeout(time.Duration(seconds * float64(time.Second)))
+	goep.SetOpTimeout(time.Duration(seconds * float64(time.Second)))
 	return nil
 }
 

@@ -3,7 +3,8 @@ package cuda
 import (
 	"fmt"
 	"sync"
-	"time"
+
+	"github.com/pyep/pyep/goep"
 )
 
 // CommStream is pyep's communication stream on this GPU: created by the Backend,
@@ -78,7 +79,7 @@ func SharedBackend(ordinal int) (*Backend, error) {
 	}
 	// The backend's own waits (a peer releasing a buffer, the device draining) share the kernels'
 	// bound, PYEP_TIMEOUT_S.
-	b, err := NewBackend(drv, ordinal, BackendOptions{Timeout: time.Duration(opTimeout.Load())})
+	b, err := NewBackend(drv, ordinal, BackendOptions{Timeout: goep.OpTimeout()})
 	if err != nil {
 		return nil, err
 	}
