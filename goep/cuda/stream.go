@@ -12,7 +12,12 @@ import (
 // Python wraps it as torch.cuda.ExternalStream (Buffer.get_comm_stream).
 func (b *Backend) CommStream() Stream { return b.comm }
 
-// LastLaunchNS is CLOCK_MONOTONIC, in nanoseconds, right after this backend's latest kernel
+var _ goep.StreamBackend = (*Backend)(nil)
+
+// CommStreamHandle implements goep.StreamBackend: the communication stream's raw CUstream.
+func (b *Backend) CommStreamHandle() uintptr { return b.comm.Raw() }
+
+// LastLaunchNS implements goep.StreamBackend: CLOCK_MONOTONIC, in nanoseconds, right after this backend's latest kernel
 // launch (0 before the first): where a call's host time ends, for pyep.bench.
 func (b *Backend) LastLaunchNS() int64 { return b.lastLaunch.Load() }
 
