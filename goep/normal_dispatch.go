@@ -136,10 +136,16 @@ func (b *Buffer) checkDispatch(a *DispatchArgs) (*dispatchCall, error) {
 	switch {
 	case ts.Err != nil:
 		return nil, ts.Err
+	case x.Shape[0] > MaxRows:
+		return nil, Argf("x: %d tokens, expected at most %d", x.Shape[0], MaxRows)
 	case a.ExpertAlignment < 1:
 		return nil, Argf("expert_alignment = %d: expected an int >= 1", a.ExpertAlignment)
+	case a.ExpertAlignment > MaxExpertAlignment:
+		return nil, Argf("expert_alignment = %d: expected at most %d", a.ExpertAlignment, MaxExpertAlignment)
 	case a.NumWorstTokens < 0:
 		return nil, Argf("num_worst_tokens = %d: expected an int >= 0", a.NumWorstTokens)
+	case a.NumWorstTokens > MaxRows:
+		return nil, Argf("num_worst_tokens = %d: expected at most %d", a.NumWorstTokens, MaxRows)
 	}
 	if err := a.Order.check(); err != nil {
 		return nil, err
@@ -170,6 +176,9 @@ func (b *Buffer) checkDispatch(a *DispatchArgs) (*dispatchCall, error) {
 	K := int64(0)
 	if topk.Valid {
 		K = topk.Shape[1]
+	}
+	if K > MaxTopK {
+		return nil, Argf("topk_idx: %d experts per token, expected at most %d", K, MaxTopK)
 	}
 	weights := ts.Arg("topk_weights", a.TopkWeights, true, f32, T, K)
 	n := &call.n

@@ -225,6 +225,9 @@ func (b *Buffer) Combine(a *CombineArgs) error {
 	if weights.Valid {
 		K = weights.Shape[1]
 	}
+	if K > MaxTopK {
+		return Argf("topk_weights: %d weights per row, expected at most %d", K, MaxTopK)
+	}
 	same := []dlpack.DType{x.DType}
 	bias0 := ts.Arg("bias[0]", a.Bias0, true, same, T, H)
 	bias1 := ts.Arg("bias[1]", a.Bias1, true, same, T, H)

@@ -45,11 +45,8 @@ func (e *normalEngine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 func (e *normalEngine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.DispatchOp, limit int64) (f Function, off [5]int64, err error) {
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	slots := a.Config.NumMaxNVLChunkedRecvTokens
+	// goep checked the top-k and the experts; the row sizes are this engine's limits.
 	switch {
-	case a.NumTopk > goep.MaxTopK:
-		return f, off, goep.Argf("dispatch: num_topk = %d: at most %d supported", a.NumTopk, goep.MaxTopK)
-	case a.NumTopk > 0 && (a.NumExperts <= 0 || a.NumExperts%R != 0):
-		return f, off, goep.Argf("dispatch: num_experts = %d must be a positive multiple of num_ranks = %d", a.NumExperts, R)
 	case a.HiddenBytes <= 0 || a.HiddenBytes > 1<<24 || a.ScalesBytes%4 != 0 || a.ScalesBytes > 1<<16:
 		return f, off, goep.Argf("dispatch: %d bytes of hidden and %d of scales per token are not supported", a.HiddenBytes, a.ScalesBytes)
 	}
@@ -102,25 +99,17 @@ func (e *normalEngine) Combine(peers []goep.Region, a *goep.CombineOp) error {
 	}
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	slots := a.Config.NumMaxNVLChunkedRecvTokens
-	var dtype, es int32
+	// goep checked x's dtype (bfloat16, float16 or float32), the top-k and the handle's rows.
+	dtype, es := int32(1), int32(a.X.DType.Size())
 	switch a.X.DType {
-	case dlpack.BF16:
-		dtype, es = 1, 2
 	case dlpack.F16:
-		dtype, es = 2, 2
+		dtype = 2
 	case dlpack.F32:
-		dtype, es = 3, 4
-	default:
-		return goep.Argf("combine: x: dtype %v is not supported (bfloat16, float16 or float32)", a.X.DType)
+		dtype = 3
 	}
 	rowBytes := a.Hidden * int(es)
-	switch {
-	case a.NumTopk > goep.MaxTopK:
-		return goep.Argf("combine: num_topk = %d: at most %d supported", a.NumTopk, goep.MaxTopK)
-	case rowBytes > 1<<24:
+	if rowBytes > 1<<24 {
 		return goep.Argf("combine: hidden = %d is not supported", a.Hidden)
-	case int64(a.SrcIdx.Shape[0]) > a.X.Shape[0]:
-		return goep.Argf("combine: src_idx has %d rows, x only %d", a.SrcIdx.Shape[0], a.X.Shape[0])
 	}
 	off, need := combineLayout(C, R, slots, rowBytes, a.NumTopk)
 	if need > e.env.NumNVLBytes {

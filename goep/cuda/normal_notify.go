@@ -124,14 +124,8 @@ func (e *normalEngine) prepareNotify(st *bufferState, topo goep.Topology, peers 
 	b := e.b
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	E := a.NumExperts
-	switch {
-	case a.ExpertAlignment < 1 || a.ExpertAlignment > 1<<20:
-		return f, 0, goep.Argf("dispatch: expert_alignment = %d must be in [1, 2^20]", a.ExpertAlignment)
-	case a.NumWorstTokens < 0 || a.NumWorstTokens > 1<<31-2:
-		return f, 0, goep.Argf("dispatch: num_worst_tokens = %d is out of range", a.NumWorstTokens)
-	case a.NumTokens > 1<<31-2:
-		return f, 0, goep.Argf("dispatch: num_tokens = %d is out of range", a.NumTokens)
-	case a.Capacity < 0 || a.Capacity > 1<<31-2:
+	// goep checked the arguments' ranges; the capacity is what goep allocated.
+	if a.Capacity < 0 || a.Capacity > goep.MaxRows {
 		return f, 0, goep.Argf("dispatch: capacity = %d is out of range", a.Capacity)
 	}
 	blockBytes, scratch := notifyScratch(R, C, E)
