@@ -49,6 +49,11 @@ type Buffer struct {
 	// rows (DispatchRecv); under mu.
 	pending     *DispatchOp
 	pendingRows int
+
+	// The engines of the modes this buffer ran (engine.go), in the order they were made; Destroy
+	// closes them before the memory. Low-latency and internode engines are siblings of normal.
+	engines []Engine
+	normal  NormalEngine
 }
 
 // NewBuffer validates p as DeepEP's Buffer constructor does and allocates the local NVLink-domain
@@ -265,8 +270,9 @@ func (b *Buffer) Destroy() error {
 		return nil
 	}
 	b.state = destroyed
+	// The engines first: their kernels use the memory.
+	errs := []error{b.closeEngines()}
 	b.closePeers()
-	var errs []error
 	if b.local != nil {
 		errs = append(errs, b.local.Close())
 		b.peers[b.topo.NVLRank] = nil

@@ -15,6 +15,10 @@ type Config struct {
 const (
 	MaxTopK   = 128
 	MaxScales = 128
+	// MaxRows bounds the tokens of a call and the rows it receives (the kernels count in int32).
+	MaxRows = 1<<31 - 2
+	// MaxExpertAlignment bounds expert_alignment.
+	MaxExpertAlignment = 1 << 20
 	// sourceMetaBytes is the per-token routing record of the internode rings.
 	sourceMetaBytes = 8
 )

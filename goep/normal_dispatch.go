@@ -7,7 +7,6 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep/dlpack"
-	"github.com/pyep/pyep/goep/normal"
 )
 
 // A dispatch is DispatchQueued (notify, and the data phase queued behind it), or DispatchNotify
@@ -137,10 +136,16 @@ func (b *Buffer) checkDispatch(a *DispatchArgs) (*dispatchCall, error) {
 	switch {
 	case ts.Err != nil:
 		return nil, ts.Err
+	case x.Shape[0] > MaxRows:
+		return nil, Argf("x: %d tokens, expected at most %d", x.Shape[0], MaxRows)
 	case a.ExpertAlignment < 1:
 		return nil, Argf("expert_alignment = %d: expected an int >= 1", a.ExpertAlignment)
+	case a.ExpertAlignment > MaxExpertAlignment:
+		return nil, Argf("expert_alignment = %d: expected at most %d", a.ExpertAlignment, MaxExpertAlignment)
 	case a.NumWorstTokens < 0:
 		return nil, Argf("num_worst_tokens = %d: expected an int >= 0", a.NumWorstTokens)
+	case a.NumWorstTokens > MaxRows:
+		return nil, Argf("num_worst_tokens = %d: expected at most %d", a.NumWorstTokens, MaxRows)
 	}
 	if err := a.Order.check(); err != nil {
 		return nil, err
@@ -171,6 +176,9 @@ func (b *Buffer) checkDispatch(a *DispatchArgs) (*dispatchCall, error) {
 	K := int64(0)
 	if topk.Valid {
 		K = topk.Shape[1]
+	}
+	if K > MaxTopK {
+		return nil, Argf("topk_idx: %d experts per token, expected at most %d", K, MaxTopK)
 	}
 	weights := ts.Arg("topk_weights", a.TopkWeights, true, f32, T, K)
 	n := &call.n
@@ -228,24 +236,15 @@ func (b *Buffer) DispatchNotify(a *DispatchArgs) (int, error) {
 	return rows, b.copyCounts(&call.n, a.Counts)
 }
 
-// perExpertCounter is what an engine implements that keeps the host's copy of the last notify's
-// num_recv_tokens_per_expert of a region.
-type perExpertCounter interface {
-	RecvPerExpert(r Region) ([]int32, error)
-}
-
 // copyCounts writes num_recv_tokens_per_expert of the notify n that just ran to dst.
 func (b *Buffer) copyCounts(n *NotifyOp, dst uintptr) error {
 	if dst == 0 {
 		return nil
 	}
 	counts := Int32s(n.RecvPerExpert)
-	if pc, ok := b.backend.(perExpertCounter); ok {
-		peers, err := b.Peers()
-		if err != nil {
-			return err
-		}
-		if counts, err = pc.RecvPerExpert(peers[b.topo.NVLRank]); err != nil {
+	if pc, ok := b.normalOrNil().(PerExpertCounter); ok {
+		var err error
+		if counts, err = pc.RecvPerExpert(); err != nil {
 			return err
 		}
 	}
@@ -258,25 +257,16 @@ func (b *Buffer) notify(n *NotifyOp) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	if eng != nil {
-		rows, err := eng.Notify(b.topo, peers, n)
-		return rows, wrap(err)
-	}
-	res, err := normal.Notify(b.domain(peers), &normal.NotifyArgs{
-		Config: n.Config.normal(), NumTokens: n.NumTokens, NumExperts: n.NumExperts,
-		ExpertAlignment: n.ExpertAlignment, NumWorstTokens: n.NumWorstTokens,
-		NumTokensPerRank: Int32s(n.PerRank), NumTokensPerExpert: Int32s(n.PerExpert), IsTokenInRank: Bools(n.InRank),
-		RankPrefixMatrix: Int32s(n.RankPrefix), ChannelPrefixMatrix: Int32s(n.ChannelPrefix),
-		RecvChannelPrefixMatrix: Int32s(n.RecvChannelPrefix), NumRecvTokensPerExpert: Int32s(n.RecvPerExpert),
-	})
-	return res.NumRecvTokens, wrap(err)
+	rows, err := eng.Notify(peers, n)
+	return rows, wrap(err)
 }
 
 // DispatchQueued checks a dispatch and runs its notify and, without waiting for the counts where
 // the engine can (SpeculativeEngine), its data phase into recv tensors of r.Rows rows (the most
 // this rank may receive). It returns the rows this rank receives and whether the data phase ran:
 // if some rank's rows exceeded what it allocated, it did not, and DispatchRecv into exact rows
-// follows. On the cpu path the data phase runs after the counts, when this rank's rows fit.
+// follows. With an engine that cannot queue it, the data phase runs after the counts, when this rank's
+// rows fit.
 func (b *Buffer) DispatchQueued(a *DispatchArgs, r RecvTensors) (int, bool, error) {
 	call, err := b.checkDispatch(a)
 	if err != nil {
@@ -293,7 +283,8 @@ func (b *Buffer) DispatchQueued(a *DispatchArgs, r RecvTensors) (int, bool, erro
 	if err != nil {
 		return 0, false, err
 	}
-	if eng == nil {
+	se, ok := eng.(SpeculativeEngine)
+	if !ok {
 		n.Order.Flags &^= OrderJoin
 		rows, err := b.notify(n)
 		if err != nil {
@@ -313,12 +304,8 @@ func (b *Buffer) DispatchQueued(a *DispatchArgs, r RecvTensors) (int, bool, erro
 		}
 		return rows, true, b.dispatch(d)
 	}
-	se, ok := eng.(SpeculativeEngine)
-	if !ok {
-		return 0, false, errors.New("a dispatch queued behind its notify is not available on this backend")
-	}
 	n.Capacity = r.Rows // the engine checks it against recv_x's rows
-	rows, ran, err := se.NotifyDispatch(b.topo, peers, n, d)
+	rows, ran, err := se.NotifyDispatch(peers, n, d)
 	if err != nil {
 		return 0, false, wrap(err)
 	}
@@ -398,16 +385,5 @@ func (b *Buffer) dispatch(op *DispatchOp) error {
 	if err != nil {
 		return err
 	}
-	if eng != nil {
-		return wrap(eng.Dispatch(b.topo, peers, op))
-	}
-	return wrap(normal.Dispatch(b.domain(peers), &normal.DispatchArgs{
-		Config: op.Config.normal(), NumTokens: op.NumTokens, HiddenBytes: op.HiddenBytes, ScalesBytes: op.ScalesBytes,
-		ScalesTokenStride: op.ScalesTokenStride, ScalesStride: op.ScalesStride, NumTopk: op.NumTopk, NumExperts: op.NumExperts,
-		X: Bytes(op.X), XScales: Bytes(op.XScales), TopkIdx: Int64s(op.TopkIdx), TopkWeights: Float32s(op.TopkWeights),
-		IsTokenInRank: Bools(op.InRank), RankPrefixMatrix: Int32s(op.RankPrefix), ChannelPrefixMatrix: Int32s(op.ChannelPrefix),
-		NumWorstTokens: op.NumWorstTokens, RecvX: Bytes(op.RecvX), RecvXScales: Bytes(op.RecvXScales),
-		RecvSrcIdx: Int32s(op.RecvSrcIdx), RecvTopkIdx: Int64s(op.RecvTopkIdx), RecvTopkWeights: Float32s(op.RecvTopkWeights),
-		RecvChannelPrefixMatrix: Int32s(op.RecvChannelPrefix), SendHead: Int32s(op.SendHead),
-	}))
+	return wrap(eng.Dispatch(peers, op))
 }

@@ -2,11 +2,7 @@ package goep
 
 import (
 	"errors"
-	"os"
 	"slices"
-	"strconv"
-	"time"
-	"unsafe"
 
 	"github.com/pyep/pyep/goep/dlpack"
 	"github.com/pyep/pyep/goep/normal"
@@ -15,14 +11,9 @@ import (
 // The normal-mode operations of a Buffer: layout, dispatch (notify, the count exchange, then the
 // data phase; also cached) and combine. Every argument is checked here, once, with the messages
 // users see: the caller's tensors arrive as Descs, the tensors the pyep layer allocated
-// (outputs, a handle's tensors) as data addresses (see Tensors). On the cpu backend the data
-// moves through the peers' shared regions (goep/normal); a NormalEngine (cuda) runs kernels.
-
-// NormalConfig is the intranode part of a Config.
-func (c Config) normal() normal.Config {
-	return normal.Config{NumSMs: c.NumSMs, NumMaxNVLChunkedSendTokens: c.NumMaxNVLChunkedSendTokens,
-		NumMaxNVLChunkedRecvTokens: c.NumMaxNVLChunkedRecvTokens}
-}
+// (outputs, a handle's tensors) as data addresses (see Tensors). The buffer's NormalEngine runs
+// the checked op: goep/cpu's moves the data through the peers' shared regions (goep/normal),
+// goep/cuda's runs kernels.
 
 var (
 	i32   = []dlpack.DType{dlpack.I32}
@@ -73,24 +64,6 @@ func topkArg(ts *Tensors, d Desc, optional bool, T int64) dlpack.Tensor {
 
 // int64Index is torch.int64's index in DTypeNames.
 var int64Index = slices.Index(DTypeNames, "int64")
-
-// opTimeout bounds every wait on a peer: PYEP_TIMEOUT_S seconds, 100 by default.
-var opTimeout = func() time.Duration {
-	if s, err := strconv.ParseFloat(os.Getenv("PYEP_TIMEOUT_S"), 64); err == nil && s > 0 {
-		return time.Duration(s * float64(time.Second))
-	}
-	return normal.DefaultTimeout
-}()
-
-// domain is the cpu path's view of the mapped regions for one call.
-func (b *Buffer) domain(peers []Region) *normal.Domain {
-	d := &normal.Domain{Rank: b.topo.NVLRank, NumRanks: b.topo.NumNVLRanks, NumBytes: b.params.NumNVLBytes, Timeout: opTimeout,
-		Buffers: make([]unsafe.Pointer, len(peers)), Controls: make([]unsafe.Pointer, len(peers))}
-	for i, p := range peers {
-		d.Buffers[i], d.Controls[i] = p.Data(), p.Control()
-	}
-	return d
-}
 
 func (b *Buffer) tensors() *Tensors {
 	ts := &Tensors{}
@@ -165,26 +138,8 @@ type CombineOp struct {
 	Order                                        StreamOrder
 }
 
-// NormalEngine runs normal-mode operations on a backend whose memory the host cannot address
-// (cuda kernels); without one, the cpu path runs goep/normal over the mapped regions. peers[i]
-// is NVLink rank i's region as mapped here. The ops arrive checked; an engine orders its work
-// after and before the caller's stream as their Order says.
-type NormalEngine interface {
-	Layout(a *LayoutOp) error
-	Notify(topo Topology, peers []Region, a *NotifyOp) (int, error)
-	Dispatch(topo Topology, peers []Region, a *DispatchOp) error
-	Combine(topo Topology, peers []Region, a *CombineOp) error
-}
-
-// SpeculativeEngine is what a NormalEngine implements to queue a dispatch behind its notify,
-// before the host learns the row count: into rows allocated for n.Capacity tokens, which the
-// dispatch uses only if every rank's rows fit (the same verdict on every rank). It returns
-// the rows this rank receives and whether the dispatch ran; if not, the caller dispatches
-// again into exact rows, as after Notify.
-type SpeculativeEngine interface {
-	NotifyDispatch(topo Topology, peers []Region, n *NotifyOp, d *DispatchOp) (numRecv int, ran bool, err error)
-}
-
+// engine is the buffer's normal-mode engine and its peers' regions, for a call on a synced
+// buffer within one NVLink domain.
 func (b *Buffer) engine() (NormalEngine, []Region, error) {
 	peers, err := b.Peers()
 	if err != nil {
@@ -193,12 +148,8 @@ func (b *Buffer) engine() (NormalEngine, []Region, error) {
 	if b.topo.NumRDMARanks > 1 {
 		return nil, nil, Argf("num_ranks = %d: normal mode across NVLink domains (internode) is not available yet; use at most %d ranks", b.topo.NumRanks, NumMaxNVLPeers)
 	}
-	e, ok := b.backend.(NormalEngine)
-	if !ok && b.backend.DeviceID() >= 0 {
-		// goep/normal reads and writes the regions from the host: device memory needs an engine.
-		return nil, nil, errors.New("normal mode is not available on this backend")
-	}
-	return e, peers, nil
+	e, err := b.NormalEngine()
+	return e, peers, err
 }
 
 // LayoutArgs are get_dispatch_layout's: topk_idx, num_experts, and the outputs
@@ -236,14 +187,11 @@ func (b *Buffer) Layout(a *LayoutArgs) error {
 	if ts.Err != nil {
 		return ts.Err
 	}
-	if e, ok := b.backend.(NormalEngine); ok {
-		return wrap(e.Layout(op))
+	e, err := b.NormalEngine()
+	if err != nil {
+		return err
 	}
-	if b.backend.DeviceID() >= 0 {
-		return errors.New("get_dispatch_layout is not available on this backend")
-	}
-	return wrap(normal.Layout(Int64s(topk), int(T), int(topk.Shape[1]), a.NumExperts, int(R),
-		Int32s(op.PerRank), Int32s(op.PerExpert), Bools(op.InRank)))
+	return wrap(e.Layout(op))
 }
 
 // CombineArgs are a combine's: the caller's tensors, the handle's tensors (data addresses) and
@@ -277,6 +225,9 @@ func (b *Buffer) Combine(a *CombineArgs) error {
 	if weights.Valid {
 		K = weights.Shape[1]
 	}
+	if K > MaxTopK {
+		return Argf("topk_weights: %d weights per row, expected at most %d", K, MaxTopK)
+	}
 	same := []dlpack.DType{x.DType}
 	bias0 := ts.Arg("bias[0]", a.Bias0, true, same, T, H)
 	bias1 := ts.Arg("bias[1]", a.Bias1, true, same, T, H)
@@ -303,23 +254,5 @@ func (b *Buffer) Combine(a *CombineArgs) error {
 	if err != nil {
 		return err
 	}
-	if eng != nil {
-		return wrap(eng.Combine(b.topo, peers, op))
-	}
-	return wrap(normal.Combine(b.domain(peers), &normal.CombineArgs{
-		Config: a.Config.normal(), DType: combineDType(x.DType), Hidden: int(H), NumTopk: int(K), NumTokens: int(T),
-		X: Bytes(x), TopkWeights: Float32s(weights), SrcIdx: Int32s(op.SrcIdx),
-		RankPrefixMatrix: Int32s(op.RankPrefix), ChannelPrefixMatrix: Int32s(op.ChannelPrefix), SendHead: Int32s(op.SendHead),
-		Bias0: Bytes(bias0), Bias1: Bytes(bias1), CombinedX: Bytes(op.CombinedX), CombinedTopkWeights: Float32s(op.CombinedTopkWeights),
-	}))
-}
-
-func combineDType(d dlpack.DType) normal.DType {
-	switch d {
-	case dlpack.F16:
-		return normal.Float16
-	case dlpack.F32:
-		return normal.Float32
-	}
-	return normal.BFloat16
+	return wrap(eng.Combine(peers, op))
 }

@@ -81,3 +81,48 @@ func BenchmarkDispatchChecks(b *testing.B) {
 		}
 	}
 }
+
+// The limits every engine shares are checked once, here, before any engine work.
+func TestDispatchLimits(t *testing.T) {
+	topo, err := NewTopology(0, 4, false)
+	require.NoError(t, err)
+	buf := &Buffer{topo: topo, backend: gpuBackend{}}
+	cfg, err := NewConfig(24, 6, 256, 6, 128)
+	require.NoError(t, err)
+	mem := make([]byte, 1<<16)
+	p := uintptr(unsafe.Pointer(&mem[0]))
+	dev := DeviceCode(CUDADevice, 0)
+	two := func(dtype int, s0, s1 int64) Desc {
+		return Desc{Data: p, DType: dtype, Device: dev, NDim: 2, Size: [2]int64{s0, s1}, Stride: [2]int64{s1, 1}}
+	}
+	one := func(dtype int, s0 int64) Desc {
+		return Desc{Data: p, DType: dtype, Device: dev, NDim: 1, Size: [2]int64{s0}, Stride: [2]int64{1}}
+	}
+	const bf16, i32, i64, f32, boolean = 3, 6, 7, 0, 12
+	args := func() *DispatchArgs {
+		return &DispatchArgs{Config: cfg, ExpertAlignment: 1, X: two(bf16, 8, 64), XScales: Desc{NDim: NoneDim},
+			TopkIdx: two(i64, 8, 2), TopkWeights: two(f32, 8, 2), PerRank: one(i32, 4), PerExpert: one(i32, 8),
+			InRank: two(boolean, 8, 4), RankPrefix: p, ChannelPrefix: p, RecvChannelPrefix: p, RecvPerExpert: p, SendHead: p}
+	}
+	for _, tt := range []struct {
+		name string
+		edit func(a *DispatchArgs)
+		err  string
+	}{
+		{"alignment", func(a *DispatchArgs) { a.ExpertAlignment = 1<<20 + 1 }, "expert_alignment = 1048577: expected at most 1048576"},
+		{"worst tokens", func(a *DispatchArgs) { a.NumWorstTokens = 1 << 31 }, "num_worst_tokens = 2147483648: expected at most 2147483646"},
+		{"top-k", func(a *DispatchArgs) { a.TopkIdx, a.TopkWeights = two(i64, 8, 129), two(f32, 8, 129) },
+			"topk_idx: 129 experts per token, expected at most 128"},
+		{"experts", func(a *DispatchArgs) { a.PerExpert = one(i32, 6) }, "num_tokens_per_expert: 6 experts, expected a positive multiple of num_ranks = 4"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			a := args()
+			_, err := buf.checkDispatch(a)
+			require.NoError(t, err)
+			tt.edit(a)
+			_, err = buf.checkDispatch(a)
+			assert.True(t, IsArgument(err))
+			assert.EqualError(t, err, tt.err)
+		})
+	}
+}

@@ -2,8 +2,8 @@
 // for bytes and uintptr addresses across, and every export turns a panic into an error, since a
 // Go panic would otherwise abort the interpreter.
 //
-// Buffers are named by integer ids: a stale or destroyed id is an error, never a dangling Go
-// handle. Errors that are the caller's fault carry the prefix "ValueError: " (or "TypeError: ")
+// Buffers are named by integer ids (goep/api keeps them): a stale or destroyed id is an error,
+// never a dangling Go handle. pyep imports no backend: goep/api makes them by name. Errors that are the caller's fault carry the prefix "ValueError: " (or "TypeError: ")
 // so that Python raises that exception for them.
 package pyep
 
@@ -13,12 +13,10 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
-	"sync"
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
-	"github.com/pyep/pyep/goep/cpu"
-	"github.com/pyep/pyep/goep/cuda"
+	"github.com/pyep/pyep/goep/api"
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
@@ -40,71 +38,19 @@ func guard(op string, err *error) {
 	}
 }
 
-var registry struct {
-	sync.Mutex
-	next    int64
-	buffers map[int64]*goep.Buffer
-}
+// lookup finds buffer id (goep/api keeps the ids).
+func lookup(id int64) (*goep.Buffer, error) { return api.Buffer(id) }
 
-func lookup(id int64) (*goep.Buffer, error) {
-	registry.Lock()
-	defer registry.Unlock()
-	b, ok := registry.buffers[id]
-	if !ok {
-		return nil, fmt.Errorf("buffer #%d does not exist: it was destroyed, or the object is stale", id)
-	}
-	return b, nil
-}
-
-// backendNamed is "cpu", or "cuda:N" for device ordinal N (Python passes
-// torch.cuda.current_device(); plain "cuda" is device 0). Every Buffer on a GPU shares the
-// process's Backend of that GPU (its primary context and communication stream).
-func backendNamed(name string) (goep.Backend, error) {
-	switch {
-	case name == "cpu":
-		return cpu.Backend{}, nil
-	case name == "cuda" || strings.HasPrefix(name, "cuda:"):
-		ordinal := 0
-		if s, ok := strings.CutPrefix(name, "cuda:"); ok {
-			n, err := strconv.Atoi(s)
-			if err != nil || n < 0 {
-				return nil, goep.Argf("backend %q: expected \"cuda:N\" with N a device ordinal", name)
-			}
-			ordinal = n
-		}
-		be, err := cuda.SharedBackend(ordinal)
-		if err != nil {
-			return nil, err
-		}
-		return be, nil
-	}
-	return nil, goep.Argf("backend %q: expected \"cpu\" or \"cuda:N\"", name)
-}
-
-// NewBuffer allocates a Buffer on the named backend and returns its id.
+// NewBuffer allocates a Buffer on the named backend ("cpu", or "cuda:N" for device ordinal N,
+// torch.cuda.current_device()) and returns its id.
 func NewBuffer(backend string, rank, numRanks int, numNVLBytes, numRDMABytes int64,
 	lowLatencyMode, explicitlyDestroy, enableShrink, useFabric bool) (id int64, err error) {
 	defer guard("NewBuffer", &err)
-	be, err := backendNamed(backend)
-	if err != nil {
-		return 0, err
-	}
-	b, err := goep.NewBuffer(goep.Params{
+	return api.NewBuffer(backend, goep.Params{
 		Rank: rank, NumRanks: numRanks, NumNVLBytes: numNVLBytes, NumRDMABytes: numRDMABytes,
 		LowLatencyMode: lowLatencyMode, ExplicitlyDestroy: explicitlyDestroy,
 		EnableShrink: enableShrink, UseFabric: useFabric,
-	}, be)
-	if err != nil {
-		return 0, err
-	}
-	registry.Lock()
-	defer registry.Unlock()
-	if registry.buffers == nil {
-		registry.buffers = map[int64]*goep.Buffer{}
-	}
-	registry.next++
-	registry.buffers[registry.next] = b
-	return registry.next, nil
+	})
 }
 
 // BufferInfo is "device_id rank num_ranks rdma_rank num_rdma_ranks nvl_rank num_nvl_ranks",
@@ -190,14 +136,7 @@ func BufferIsAvailable(id int64) (ok bool, err error) {
 // so that destroy stays idempotent.
 func BufferDestroy(id int64) (err error) {
 	defer guard("BufferDestroy", &err)
-	registry.Lock()
-	b, ok := registry.buffers[id]
-	delete(registry.buffers, id)
-	registry.Unlock()
-	if !ok {
-		return nil
-	}
-	return b.Destroy()
+	return api.Destroy(id)
 }
 
 // BufferView returns a DLManagedTensor address viewing NVLink peer nvlRank's data region (or

@@ -94,8 +94,8 @@ type Backend struct {
 	syncMu  sync.Mutex
 	syncing *syncCall // the bounded device synchronisation in flight, if any
 
-	normalOnce sync.Once
-	normal     *normalEngine // normal mode (normal.go), made on first use
+	// kernels are the device's compiled kernels, which every buffer's engine shares.
+	kernels kernelCache
 
 	fabricMu  sync.Mutex
 	fabricErr error // why fabric handles failed here: AllocateFabric goes straight to file descriptors
@@ -432,7 +432,6 @@ func (l *localRegion) Close() error {
 		b.defer_(l)
 		return fmt.Errorf("pyep: cuda: freeing this rank's buffer: %w; its memory is kept", err)
 	}
-	b.forgetNormal(l)
 	mapped, err := b.stillMapped(l, b.timeout)
 	if err == nil && len(mapped) > 0 {
 		err = fmt.Errorf("pyep: cuda: %s this rank's buffer after %v (not destroyed there yet, or exited): "+

@@ -77,24 +77,9 @@ func TestGPUBackend(t *testing.T) {
 	assert.Equal(t, make([]byte, 1<<16), readBack(t, be, cuda.PtrOf(rdma.Data()), 1<<16))
 	require.NoError(t, rdma.Close())
 
-	// The device writes mapped host counters (a memset on the comm stream, as a kernel would),
-	// after the comm stream waited for the legacy default stream.
-	h, err := be.NewHostCounters(3)
-	require.NoError(t, err)
+	// The stream order both ways, as a call queues it.
 	require.NoError(t, be.StreamWait(be.CommStream(), be.WrapStream(0)))
-	func() {
-		exit, err := be.Enter()
-		defer exit()
-		require.NoError(t, err)
-		require.NoError(t, drv.MemsetD8Async(h.Device(), 0, 8, be.CommStream()))
-	}()
-	_, err = h.Wait(50*time.Millisecond, func(i int) string { return fmt.Sprintf("the count of rank %d", i) })
-	assert.ErrorContains(t, err, "the count of rank 2 from the GPU, which never arrived")
-	vals, err := h.Wait(time.Millisecond, nil)
-	assert.Equal(t, []int32{0, 0, -1}, vals)
-	require.Error(t, err)
 	require.NoError(t, be.StreamWait(be.WrapStream(0), be.CommStream()))
-	require.NoError(t, h.Close())
 }
 
 // TestGPUNVLinkProbe asks NVML about every pair of visible GPUs.

@@ -454,55 +454,6 @@ func TestBackendOpenChecks(t *testing.T) {
 	closeRanks(t, rk)
 }
 
-func TestHostCounters(t *testing.T) {
-	rk := newRanks(t, 1, &links{}, time.Second)
-	d, be := rk[0].drv, rk[0].be
-	h, err := be.NewHostCounters(4)
-	require.NoError(t, err)
-	assert.Equal(t, 4, h.Len())
-	assert.Equal(t, []int32{-1, -1, -1, -1}, h.Host())
-
-	// A "kernel" writes through the device address.
-	dev, err := d.Bytes(h.Device(), 16)
-	require.NoError(t, err)
-	binary.LittleEndian.PutUint32(dev[4:], 7)
-	assert.EqualValues(t, 7, h.Load(1))
-
-	start := time.Now()
-	vals, err := h.Wait(30*time.Millisecond, func(i int) string { return fmt.Sprintf("the token count from rank %d", i) })
-	assert.GreaterOrEqual(t, time.Since(start), 30*time.Millisecond)
-	assert.ErrorIs(t, err, cuda.ErrCounterTimeout)
-	assert.ErrorContains(t, err, "waited 30ms for the token count from rank 0, the token count from rank 2, the token count from rank 3 from the GPU, which never arrived")
-	assert.Equal(t, []int32{-1, 7, -1, -1}, vals)
-
-	go func() {
-		time.Sleep(5 * time.Millisecond)
-		for i := range 4 {
-			h.Store(i, int32(i))
-		}
-	}()
-	vals, err = h.Wait(5*time.Second, nil, be.CommStream())
-	require.NoError(t, err)
-	assert.Equal(t, []int32{0, 1, 2, 3}, vals)
-
-	h.Reset()
-	_, err = h.Wait(time.Millisecond, nil)
-	assert.ErrorContains(t, err, "counter 0, counter 1, counter 2, counter 3")
-
-	// A failing stream ends the wait early.
-	d.FailNext("StreamQuery", cuda.ErrorIllegalAddress)
-	start = time.Now()
-	_, err = h.Wait(5*time.Second, nil, be.CommStream())
-	assert.ErrorIs(t, err, cuda.ErrorIllegalAddress)
-	assert.Less(t, time.Since(start), time.Second)
-
-	require.NoError(t, h.Close())
-	require.NoError(t, h.Close())
-	_, err = be.NewHostCounters(0)
-	assert.Error(t, err)
-	closeRanks(t, rk)
-}
-
 func TestStreamWait(t *testing.T) {
 	rk := newRanks(t, 1, &links{}, time.Second)
 	d, be := rk[0].drv, rk[0].be

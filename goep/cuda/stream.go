@@ -3,7 +3,8 @@ package cuda
 import (
 	"fmt"
 	"sync"
-	"time"
+
+	"github.com/pyep/pyep/goep"
 )
 
 // CommStream is pyep's communication stream on this GPU: created by the Backend,
@@ -11,7 +12,12 @@ import (
 // Python wraps it as torch.cuda.ExternalStream (Buffer.get_comm_stream).
 func (b *Backend) CommStream() Stream { return b.comm }
 
-// LastLaunchNS is CLOCK_MONOTONIC, in nanoseconds, right after this backend's latest kernel
+var _ goep.StreamBackend = (*Backend)(nil)
+
+// CommStreamHandle implements goep.StreamBackend: the communication stream's raw CUstream.
+func (b *Backend) CommStreamHandle() uintptr { return b.comm.Raw() }
+
+// LastLaunchNS implements goep.StreamBackend: CLOCK_MONOTONIC, in nanoseconds, right after this backend's latest kernel
 // launch (0 before the first): where a call's host time ends, for pyep.bench.
 func (b *Backend) LastLaunchNS() int64 { return b.lastLaunch.Load() }
 
@@ -78,7 +84,7 @@ func SharedBackend(ordinal int) (*Backend, error) {
 	}
 	// The backend's own waits (a peer releasing a buffer, the device draining) share the kernels'
 	// bound, PYEP_TIMEOUT_S.
-	b, err := NewBackend(drv, ordinal, BackendOptions{Timeout: time.Duration(opTimeout.Load())})
+	b, err := NewBackend(drv, ordinal, BackendOptions{Timeout: goep.OpTimeout()})
 	if err != nil {
 		return nil, err
 	}

@@ -86,6 +86,15 @@ func newDomainOf(t *testing.T, R int, nvlBytes int64, opts cuda.NormalOptions, u
 	return envs
 }
 
+// normal is the normal-mode engine of the rank's buffer.
+func (e *rankEnv) normal() goep.NormalEngine {
+	eng, err := e.buf.NormalEngine()
+	if err != nil {
+		panic(err)
+	}
+	return eng
+}
+
 // dev is a tensor in rank e's fake device memory, with its bytes.
 type dev struct {
 	t dlpack.Tensor
@@ -346,7 +355,7 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 	// Layout.
 	noErrors(t, each(R, func(r int) error {
 		d := rd[r]
-		return envs[r].be.Layout(&goep.LayoutOp{NumExperts: E, NumRanks: R, TopkIdx: d.dTopk.t, PerRank: d.perRank.t,
+		return envs[r].normal().Layout(&goep.LayoutOp{NumExperts: E, NumRanks: R, TopkIdx: d.dTopk.t, PerRank: d.perRank.t,
 			PerExpert: d.perExpert.t, InRank: d.inRank.t})
 	}))
 	for r, d := range rd {
@@ -498,7 +507,7 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 	}
 	noErrors(t, each(R, func(r int) error {
 		d := rd[r]
-		n, err := envs[r].be.Notify(topo[r], peers[r], &goep.NotifyOp{Config: c.cfg, NumTokens: d.T, NumExperts: E,
+		n, err := envs[r].normal().Notify(peers[r], &goep.NotifyOp{Config: c.cfg, NumTokens: d.T, NumExperts: E,
 			ExpertAlignment: c.align, NumWorstTokens: worst, PerRank: d.perRank.t, PerExpert: d.perExpert.t, InRank: d.inRank.t,
 			RankPrefix: d.rankPrefix.t, ChannelPrefix: d.channelPrefix.t, RecvChannelPrefix: d.recvChannelPrefix.t,
 			RecvPerExpert: d.recvPerExpert.t, TopkIdx: d.dTopk.t})
@@ -512,7 +521,7 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 		require.Equal(t, o.channelPrefix, i32s(d.channelPrefix.b), "rank %d channel_prefix", r)
 		require.Equal(t, o.recvChannelPrefix, i32s(d.recvChannelPrefix.b), "rank %d recv_channel_prefix", r)
 		require.Equal(t, o.recvPerExpert, i32s(d.recvPerExpert.b), "rank %d recv_per_expert", r)
-		host, err := envs[r].be.RecvPerExpert(peers[r][r])
+		host, err := envs[r].normal().(goep.PerExpertCounter).RecvPerExpert()
 		require.NoError(t, err)
 		require.Equal(t, o.recvPerExpert, host, "rank %d recv_per_expert (host copy)", r)
 	}
@@ -538,7 +547,7 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 	noErrors(t, each(R, func(r int) error {
 		d := rd[r]
 		st, ss := c.scaleStrides(d.T)
-		return envs[r].be.Dispatch(topo[r], peers[r], &goep.DispatchOp{Config: c.cfg, NumTokens: d.T, HiddenBytes: rowBytes,
+		return envs[r].normal().Dispatch(peers[r], &goep.DispatchOp{Config: c.cfg, NumTokens: d.T, HiddenBytes: rowBytes,
 			ScalesBytes: c.scales * 4, ScalesTokenStride: st, ScalesStride: ss, NumTopk: K, NumExperts: E, NumWorstTokens: worst,
 			X: d.dX.t, XScales: d.dSc.t,
 			TopkIdx: d.dTopk.t, TopkWeights: d.dW.t, InRank: d.inRank.t, RankPrefix: d.rankPrefix.t, ChannelPrefix: d.channelPrefix.t,
@@ -567,7 +576,7 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 	}
 	noErrors(t, each(R, func(r int) error {
 		d := rd[r]
-		return envs[r].be.Dispatch(topo[r], peers[r], &goep.DispatchOp{Config: c.cfg, NumTokens: d.T, HiddenBytes: rowBytes,
+		return envs[r].normal().Dispatch(peers[r], &goep.DispatchOp{Config: c.cfg, NumTokens: d.T, HiddenBytes: rowBytes,
 			NumWorstTokens: worst, X: d.dX.t, InRank: d.inRank.t, RankPrefix: d.rankPrefix.t, ChannelPrefix: d.channelPrefix.t,
 			RecvX: cached[r].t})
 	}))
@@ -601,7 +610,7 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 	}
 	noErrors(t, each(R, func(r int) error {
 		d := rd[r]
-		return envs[r].be.Combine(topo[r], peers[r], &goep.CombineOp{Config: c.cfg, NumTokens: d.T, Hidden: c.hidden, NumTopk: K,
+		return envs[r].normal().Combine(peers[r], &goep.CombineOp{Config: c.cfg, NumTokens: d.T, Hidden: c.hidden, NumTopk: K,
 			X: ys[r].t, TopkWeights: d.recvW.t, SrcIdx: d.recvSrc.t, RankPrefix: d.rankPrefix.t, ChannelPrefix: d.recvChannelPrefix.t,
 			SendHead: d.sendH.t, Bias0: biases[r][0].t, Bias1: biases[r][1].t, CombinedX: outs[r].t, CombinedTopkWeights: outW[r].t})
 	}))
@@ -666,7 +675,7 @@ func notifyOps(t *testing.T, envs []*rankEnv, c rcase) []*goep.NotifyOp {
 			InRank: e.alloc(t, dlpack.BoolT, T, int64(R)).t, RankPrefix: e.alloc(t, dlpack.I32, int64(R), int64(R)).t,
 			ChannelPrefix: e.alloc(t, dlpack.I32, int64(R), int64(C)).t, RecvChannelPrefix: e.alloc(t, dlpack.I32, int64(R), int64(C)).t,
 			RecvPerExpert: e.alloc(t, dlpack.I32, int64(E/R)).t}
-		require.NoError(t, e.be.Layout(&goep.LayoutOp{NumExperts: E, NumRanks: R, TopkIdx: dTopk.t, PerRank: op.PerRank,
+		require.NoError(t, e.normal().Layout(&goep.LayoutOp{NumExperts: E, NumRanks: R, TopkIdx: dTopk.t, PerRank: op.PerRank,
 			PerExpert: op.PerExpert, InRank: op.InRank}))
 		ops[r] = op
 	}
@@ -682,7 +691,7 @@ func notifyAll(envs []*rankEnv, ops []*goep.NotifyOp, only ...int) []error {
 		if err != nil {
 			return err
 		}
-		_, err = envs[r].be.Notify(envs[r].buf.Topology(), peers, ops[r])
+		_, err = envs[r].normal().Notify(peers, ops[r])
 		return err
 	})
 }
@@ -711,7 +720,7 @@ func TestEmulatedErrors(t *testing.T) {
 	// here one without topk_idx, on every rank; a later layout's record replaces it.
 	ops = notifyOps(t, envs, c)
 	lbad := envs[0].upload(t, dlpack.I64, bytesOf([]int64{0, 1, 2, 3, 4, 5, 6, -1, -1, 99, 0, 1}), 3, 4)
-	require.NoError(t, envs[0].be.Layout(&goep.LayoutOp{NumExperts: c.E, NumRanks: c.R, TopkIdx: lbad.t,
+	require.NoError(t, envs[0].normal().Layout(&goep.LayoutOp{NumExperts: c.E, NumRanks: c.R, TopkIdx: lbad.t,
 		PerRank: envs[0].alloc(t, dlpack.I32, int64(c.R)).t, PerExpert: envs[0].alloc(t, dlpack.I32, int64(c.E)).t,
 		InRank: envs[0].alloc(t, dlpack.BoolT, 3, int64(c.R)).t}))
 	for _, op := range ops {
@@ -743,7 +752,7 @@ func TestEmulatedErrors(t *testing.T) {
 	noErrors(t, notifyAll(small, sops))
 	for r, err := range each(c.R, func(r int) error {
 		peers, _ := small[r].buf.Peers()
-		return small[r].be.Dispatch(small[r].buf.Topology(), peers, &goep.DispatchOp{Config: c.cfg, HiddenBytes: 512})
+		return small[r].normal().Dispatch(peers, &goep.DispatchOp{Config: c.cfg, HiddenBytes: 512})
 	}) {
 		require.Error(t, err, "rank %d", r)
 		assert.True(t, goep.IsArgument(err))
@@ -752,8 +761,8 @@ func TestEmulatedErrors(t *testing.T) {
 
 	// Rank 1 never calls: rank 0's notify times out naming it; then rank 1's call and every
 	// later one fail at once.
-	cuda.SetOpTimeout(300 * time.Millisecond)
-	defer cuda.SetOpTimeout(20 * time.Second)
+	goep.SetOpTimeout(300 * time.Millisecond)
+	defer goep.SetOpTimeout(20 * time.Second)
 	ops = notifyOps(t, envs, c)
 	start := time.Now()
 	errs = notifyAll(envs, ops, 0)
@@ -869,7 +878,7 @@ func runQueued(t *testing.T, envs []*rankEnv, c rcase, topo []goep.Topology, pee
 			in, _ := of(r)
 			o := got[r]
 			var err error
-			ns[r], ran[r], err = envs[r].be.NotifyDispatch(topo[r], peers[r], &goep.NotifyOp{Config: c.cfg, NumTokens: in.T,
+			ns[r], ran[r], err = envs[r].normal().(goep.SpeculativeEngine).NotifyDispatch(peers[r], &goep.NotifyOp{Config: c.cfg, NumTokens: in.T,
 				NumExperts: E, ExpertAlignment: c.align, PerRank: in.perRank.t, PerExpert: in.perExpert.t, InRank: in.inRank.t,
 				RankPrefix: o.rp.t, ChannelPrefix: o.cp.t, RecvChannelPrefix: o.rcp.t, RecvPerExpert: o.rpe.t,
 				TopkIdx: in.topk.t, Capacity: capOf(r)}, op(in, o))
@@ -889,7 +898,7 @@ func runQueued(t *testing.T, envs []*rankEnv, c rcase, topo []goep.Topology, pee
 			}
 			noErrors(t, each(R, func(r int) error {
 				in, _ := of(r)
-				return envs[r].be.Dispatch(topo[r], peers[r], op(in, exact[r]))
+				return envs[r].normal().Dispatch(peers[r], op(in, exact[r]))
 			}))
 			got = exact
 		}

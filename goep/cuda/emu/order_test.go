@@ -46,7 +46,7 @@ func TestEmulatedStreamOrder(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			records, waits := e.drv.Calls("EventRecord"), e.drv.Calls("StreamWaitEvent")
-			require.NoError(t, e.be.Layout(&goep.LayoutOp{NumExperts: 4, NumRanks: 1, TopkIdx: topk.t,
+			require.NoError(t, e.normal().Layout(&goep.LayoutOp{NumExperts: 4, NumRanks: 1, TopkIdx: topk.t,
 				PerRank: e.alloc(t, dlpack.I32, 1).t, PerExpert: e.alloc(t, dlpack.I32, 4).t,
 				InRank: e.alloc(t, dlpack.BoolT, 2, 1).t, Order: tt.order}))
 			assert.Equal(t, tt.records, e.drv.Calls("EventRecord")-records, "event records")

@@ -1,0 +1,304 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/dlpack"
+)
+
+// Normal mode on the GPU: every goep.Buffer has a normalEngine of its own (NewNormalEngine),
+// which runs the kernels of kernels/layout.cu and kernels/intranode.cu (see intranode.cu for the
+// memory layout and the protocol), compiled by NVRTC for this GPU and the call's shape and
+// shared by every engine of the device (the Backend's kernelCache, normal_kernels.go).
+//
+// Every kernel runs on the backend's communication stream. Layout and Notify wait on the host
+// for their results (mapped host memory): layout to report an out-of-range expert index, notify
+// for the number of rows to receive. Dispatch and Combine only queue their kernels.
+//
+// Failures: a kernel that times out (PYEP_TIMEOUT_S) or finds the ranks' arguments
+// inconsistent fills its buffer's error record (mapped host memory) and makes every rank's
+// kernels stop. The host reads the record at the start of every call and while it waits, so a
+// failure of an asynchronous dispatch or combine is reported by the next call on the buffer;
+// from then on the buffer refuses work (its ranks no longer agree on where the protocol
+// stands): destroy it and make a new one. Arguments that are wrong on every rank alike
+// (num_worst_tokens too small) or on some rank (an expert index out of range,
+// num_tokens_per_rank not matching is_token_in_rank) are found by notify on every rank before
+// any data moves, and the call raises ValueError on the rank at fault, an error naming it on
+// the others; the buffer stays usable.
+
+// bufferState is what the calls of one buffer share.
+type bufferState struct {
+	seq      uint64 // the next barrier number; every rank numbers alike
+	dead     error  // set once a kernel failed: the buffer refuses work
+	reported bool   // dead was returned once already
+
+	errHost unsafe.Pointer // opError, host-mapped
+	errDev  DevicePtr
+	resHost unsafe.Pointer // notifyResult + per-expert counts, host-mapped
+	resDev  DevicePtr
+	resCap  int // per-expert counts resHost has room for
+
+	notified   bool  // the last call was a successful notify: the dispatch after it needs no prologue
+	scratchOff int64 // where that notify's scratch starts
+	perExpert  []int32
+}
+
+// normalEngine is one buffer's normal mode on the GPU; its lock serialises the buffer's calls.
+type normalEngine struct {
+	b    *Backend
+	env  goep.EngineEnv
+	mu   sync.Mutex
+	opts NormalOptions // the device's, as of the call's start
+	st   bufferState
+	done bool // closed
+
+	// The record of the last layout's bad index (u64 [4]: tag, token << 32 | choice, value),
+	// written by the layout kernel and read by the next notify; layoutTag numbers the layouts.
+	layoutHost unsafe.Pointer
+	layoutDev  DevicePtr
+	layoutTag  uint64
+
+	// Launch parameters, reused by every launch (a launch copies them), in an allocation of
+	// their own that holds no Go pointer, as cgo requires of memory a C call reaches.
+	params *launchParams
+}
+
+type launchParams struct {
+	notify   notifyParams
+	prologue prologueParams
+	dispatch dispatchParams
+	combine  combineParams
+	layout   layoutParams
+}
+
+var (
+	_ goep.NormalEngines     = (*Backend)(nil)
+	_ goep.SpeculativeEngine = (*normalEngine)(nil)
+	_ goep.PerExpertCounter  = (*normalEngine)(nil)
+)
+
+// NewNormalEngine implements goep.NormalEngines: the engine of one buffer on this GPU.
+func (b *Backend) NewNormalEngine(env goep.EngineEnv) (goep.NormalEngine, error) {
+	return &normalEngine{b: b, env: env, st: bufferState{seq: 1}, params: new(launchParams)}, nil
+}
+
+// Close implements goep.Engine: once the GPU's work is done (bounded by the backend's timeout),
+// it frees the buffer's host-mapped records, which queued kernels may still write.
+func (e *normalEngine) Close() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.done {
+		return nil
+	}
+	e.done = true
+	if e.st.errHost == nil && e.st.resHost == nil && e.layoutHost == nil {
+		return nil
+	}
+	b := e.b
+	if err := b.syncDevice(b.timeout); err != nil {
+		return fmt.Errorf("pyep: cuda: closing the buffer's normal mode: %w; its records stay allocated", err)
+	}
+	exit, err := b.Enter()
+	defer exit()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, p := range []unsafe.Pointer{e.st.errHost, e.st.resHost, e.layoutHost} {
+		if p != nil {
+			errs = append(errs, b.drv.MemFreeHost(p))
+		}
+	}
+	e.st.errHost, e.st.resHost, e.layoutHost = nil, nil, nil
+	return errors.Join(errs...)
+}
+
+// hostAlloc allocates zeroed, device-mapped host memory.
+func (b *Backend) hostAlloc(n int) (unsafe.Pointer, DevicePtr, error) {
+	p, err := b.drv.MemHostAlloc(n, HostAllocPortable|HostAllocDeviceMap)
+	if err != nil {
+		return nil, 0, err
+	}
+	d, err := b.drv.MemHostGetDevicePointer(p)
+	if err != nil {
+		_ = b.drv.MemFreeHost(p)
+		return nil, 0, err
+	}
+	clear(unsafe.Slice((*byte)(p), n))
+	return p, d, nil
+}
+
+// begin locks the engine, enters the context and takes the device's options; end undoes the
+// first two.
+func (e *normalEngine) begin() (end func(), err error) {
+	e.mu.Lock()
+	if e.done {
+		e.mu.Unlock()
+		return func() {}, errors.New("pyep: the buffer was destroyed")
+	}
+	exit, err := e.b.Enter()
+	if err != nil {
+		exit()
+		e.mu.Unlock()
+		return func() {}, err
+	}
+	e.opts = e.b.kernels.options()
+	return func() { exit(); e.mu.Unlock() }, nil
+}
+
+// enterBuffer begins a call that uses the buffer's protocol: the engine locked, the context
+// entered, the buffer's state (its error record allocated), whether the call before was a
+// successful notify (cleared now), and the buffer's recorded failure if it has one. end undoes
+// begin, also after an error.
+func (e *normalEngine) enterBuffer() (end func(), st *bufferState, notified bool, err error) {
+	if end, err = e.begin(); err != nil {
+		return end, nil, false, err
+	}
+	st = &e.st
+	if st.errHost == nil {
+		if st.errHost, st.errDev, err = e.b.hostAlloc(opErrorBytes); err != nil {
+			return end, nil, false, err
+		}
+	}
+	notified, st.notified = st.notified, false
+	return end, st, notified, e.usable(st)
+}
+
+// usable reports a failure recorded by an earlier kernel of the buffer.
+func (e *normalEngine) usable(st *bufferState) error {
+	if st.dead == nil {
+		st.dead = e.recorded(st)
+	}
+	if st.dead == nil {
+		return nil
+	}
+	if !st.reported {
+		st.reported = true
+		return st.dead
+	}
+	return fmt.Errorf("this buffer failed earlier and is unusable (destroy it and make a new one): %w", st.dead)
+}
+
+// recorded reads the buffer's error record: nil while no kernel failed.
+func (e *normalEngine) recorded(st *bufferState) error {
+	rec := (*opError)(st.errHost)
+	if atomic.LoadUint32(&rec.Code) == 0 {
+		return nil
+	}
+	r := *rec
+	return errors.New(describeFailure(&r) + "; the buffer is unusable from now on: destroy it and make a new one")
+}
+
+// launch queues f on the communication stream with one parameter struct.
+func (e *normalEngine) launch(f Function, grid, block uint32, params unsafe.Pointer) error {
+	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{block, 1, 1}, 0, e.b.comm, params); err != nil {
+		return err
+	}
+	e.b.lastLaunch.Store(monotonicNS())
+	if debugSync {
+		if err := e.b.comm.Synchronize(); err != nil {
+			return fmt.Errorf("pyep: kernel %s failed: %w; launch parameters: %#v", f.name, err, *e.params)
+		}
+	}
+	return nil
+}
+
+// ptr is a tensor's device address (0 for an absent tensor).
+func ptr(t dlpack.Tensor) uint64 {
+	if !t.Valid {
+		return 0
+	}
+	return uint64(uintptr(t.Data))
+}
+
+// orderBefore makes the call's work on the communication stream wait for previous_event, or
+// else for the caller's stream (DeepEP's stream semantics); the engine is locked and the context
+// current, so the order costs no call of its own.
+func (e *normalEngine) orderBefore(o goep.StreamOrder) error {
+	b := e.b
+	switch {
+	case o.Event != 0:
+		return b.comm.WaitEvent(WrapEvent(b.drv, o.Event))
+	case o.Flags&goep.OrderWait != 0:
+		return b.streamWait(b.comm, b.WrapStream(o.Stream))
+	}
+	return nil
+}
+
+// orderAfter makes the caller's stream wait for the call's work, unless async_finish.
+func (e *normalEngine) orderAfter(o goep.StreamOrder) error {
+	if o.Flags&goep.OrderJoin == 0 {
+		return nil
+	}
+	return e.b.streamWait(e.b.WrapStream(o.Stream), e.b.comm)
+}
+
+// fillCtx sets the parts of ctx every kernel of a call shares.
+func (e *normalEngine) fillCtx(ctx *kctx, st *bufferState, topo goep.Topology, peers []goep.Region, cfg goep.Config) {
+	for i := range ctx.Data {
+		ctx.Data[i], ctx.Ctl[i] = 0, 0
+	}
+	for i, p := range peers {
+		ctx.Data[i] = uint64(PtrOf(p.Data()))
+		ctx.Ctl[i] = uint64(PtrOf(p.Control()))
+	}
+	headOff, total := counters(cfg.NumChannels(), topo.NumNVLRanks)
+	ctx.Err = uint64(st.errDev)
+	ctx.Seq = st.seq
+	ctx.TimeoutNS = uint64(goep.OpTimeout())
+	ctx.CounterBytes = uint64(total)
+	ctx.HeadOff = uint64(headOff)
+	ctx.Rank = int32(topo.NVLRank)
+	ctx.NumChannels = int32(cfg.NumChannels())
+	ctx.RingSlots = int32(cfg.NumMaxNVLChunkedRecvTokens)
+	ctx.Chunk = int32(cfg.NumMaxNVLChunkedSendTokens)
+}
+
+// hostGrace is how much longer than the kernels' own bound the host waits for a result before
+// it gives up on the GPU (the kernel may have started late, behind other work).
+const hostGrace = 5 * time.Second
+
+// spinFor is how long waitHost polls without sleeping.
+const spinFor = 20 * time.Millisecond
+
+// waitHost polls the u64 at tag until it holds want: the answer of a kernel on the
+// communication stream. It gives up when the buffer's error record fills (st != nil), the
+// stream fails, or the kernels' timeout plus a grace passes.
+func (e *normalEngine) waitHost(tag *uint64, want uint64, st *bufferState, what string) error {
+	limit := goep.OpTimeout() + hostGrace
+	start := time.Now()
+	pause := time.Duration(0)
+	for i := 0; ; i++ {
+		if atomic.LoadUint64(tag) == want {
+			return nil
+		}
+		if st != nil {
+			if err := e.recorded(st); err != nil {
+				return err
+			}
+		}
+		if i%256 == 255 {
+			if _, err := e.b.comm.Query(); err != nil {
+				return fmt.Errorf("pyep: %s: the communication stream failed: %w", what, err)
+			}
+			if time.Since(start) > limit {
+				return fmt.Errorf("pyep: %s: no answer from the GPU within %v (the communication stream is stuck behind other work, or a kernel hangs)", what, limit)
+			}
+		}
+		// A sleep costs tens of microseconds of latency, as much as a notify takes: spin (as
+		// DeepEP does) while the answer may come soon, back off only in a long wait.
+		if i < 1<<10 || time.Since(start) < spinFor {
+			runtime.Gosched()
+			continue
+		}
+		pause = min(max(2*pause, time.Microsecond), 200*time.Microsecond)
+		time.Sleep(pause)
+	}
+}

@@ -1,0 +1,204 @@
+package cuda
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/pyep/pyep/goep/jit"
+)
+
+// The kernels of normal mode, compiled once per device and shared by every buffer's engine.
+
+// KernelLoader provides the kernels; the default compiles with NVRTC. file is a kernel source
+// ("intranode.cu"), kernel the entry point, defines the constants it is specialised on.
+type KernelLoader interface {
+	Load(b *Backend, file, kernel string, defines map[string]string) (Function, error)
+}
+
+// NormalOptions tune the normal-mode engines of a device; tests set them (SetNormalOptions), the
+// zero value is the default.
+type NormalOptions struct {
+	Loader KernelLoader // nil: NVRTC for the device's architecture
+	// Block sizes of dispatch/combine, notify and layout; 0: 768 (PYEP_NORMAL_THREADS, a
+	// multiple of 32 up to 1024, read at start-up, overrides it), 1024, 512.
+	Threads, NotifyThreads, LayoutThreads int
+}
+
+// normalThreads is the block size of dispatch and combine: PYEP_NORMAL_THREADS when valid.
+var normalThreads = parseNormalThreads(os.Getenv("PYEP_NORMAL_THREADS"))
+
+// parseNormalThreads is s as a block size of dispatch and combine (a multiple of 32 from 64 to
+// 1024), else 768.
+func parseNormalThreads(s string) int {
+	n, err := strconv.Atoi(strings.TrimSpace(s))
+	if err != nil || n < 64 || n > 1024 || n%32 != 0 {
+		return 768
+	}
+	return n
+}
+
+func (o NormalOptions) withDefaults() NormalOptions {
+	if o.Threads == 0 {
+		o.Threads = normalThreads
+	}
+	if o.NotifyThreads == 0 {
+		o.NotifyThreads = 1024
+	}
+	if o.LayoutThreads == 0 {
+		o.LayoutThreads = 512
+	}
+	return o
+}
+
+// extraFlags are further NVRTC options for every kernel, from PYEP_JIT_FLAGS (space-separated,
+// e.g. "-lineinfo" for compute-sanitizer's source lines).
+var extraFlags = strings.Fields(os.Getenv("PYEP_JIT_FLAGS"))
+
+// debugSync (PYEP_DEBUG_SYNC=1, a debugging aid) makes every launch wait for its kernel and
+// name the kernel that failed.
+var debugSync = os.Getenv("PYEP_DEBUG_SYNC") == "1"
+
+// kernelCache is a device's loaded kernels (its zero value is ready): modules live in the
+// device's primary context, so every buffer's engine on the device shares them.
+type kernelCache struct {
+	mu      sync.Mutex
+	set     bool // opts were set
+	opts    NormalOptions
+	arch    string
+	kernels map[kernelKey]Function
+	sources map[string]jit.Source
+}
+
+// SetNormalOptions replaces the device's engine options and forgets the kernels loaded so far.
+func (b *Backend) SetNormalOptions(o NormalOptions) {
+	k := &b.kernels
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.opts, k.set = o.withDefaults(), true
+	k.kernels = nil
+}
+
+// options are the device's engine options.
+func (k *kernelCache) options() NormalOptions {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if !k.set {
+		k.opts, k.set = NormalOptions{}.withDefaults(), true
+	}
+	return k.opts
+}
+
+const (
+	kindNotify = iota + 1
+	kindDispatch
+	kindCombine
+	kindLayout
+)
+
+// kernelKey identifies a compiled variant; comparable, so a lookup allocates nothing.
+type kernelKey struct {
+	kind, name                 int8
+	ranks, a, b, c, d, threads int32
+}
+
+const (
+	nameNotify = iota + 1
+	namePrologue
+	nameDispatch
+	nameCombine
+	nameLayout
+)
+
+var kernelNames = map[int8]string{nameNotify: "pyep_notify", namePrologue: "pyep_prologue",
+	nameDispatch: "pyep_dispatch", nameCombine: "pyep_combine", nameLayout: "pyep_layout"}
+
+// function returns the kernel of key, loading it on first use; the context is current.
+func (k *kernelCache) function(b *Backend, key kernelKey, file string, defines func() map[string]string) (Function, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if f, ok := k.kernels[key]; ok {
+		return f, nil
+	}
+	name := kernelNames[key.name]
+	var f Function
+	var err error
+	if k.opts.Loader != nil {
+		f, err = k.opts.Loader.Load(b, file, name, defines())
+	} else {
+		f, err = k.nvrtc(b, file, name, defines())
+	}
+	if err != nil {
+		return Function{}, fmt.Errorf("pyep: loading kernel %s of %s: %w", name, file, err)
+	}
+	if k.kernels == nil {
+		k.kernels = map[kernelKey]Function{}
+	}
+	k.kernels[key] = f
+	return f, nil
+}
+
+// nvrtc compiles file for this GPU (through jit's cache) and loads the kernel.
+func (k *kernelCache) nvrtc(b *Backend, file, name string, defines map[string]string) (Function, error) {
+	if k.arch == "" {
+		arch, err := b.dev.Arch()
+		if err != nil {
+			return Function{}, err
+		}
+		k.arch = arch
+	}
+	src, ok := k.sources[file]
+	if !ok {
+		var err error
+		if src, err = jit.Kernel(file); err != nil {
+			return Function{}, err
+		}
+		if k.sources == nil {
+			k.sources = map[string]jit.Source{}
+		}
+		k.sources[file] = src
+	}
+	cubin, err := jit.Compile(src, jit.Options{Arch: k.arch, Defines: defines, Flags: extraFlags})
+	if err != nil {
+		return Function{}, err
+	}
+	mod, err := b.drv.ModuleLoadData(cubin)
+	if err != nil {
+		return Function{}, err
+	}
+	return mod.Function(name)
+}
+
+func itoa(n int) string { return strconv.Itoa(n) }
+
+// The constants each kernel variant is compiled with (the engine's choices; exported for tools
+// that fill the kernel cache ahead of time).
+
+// LayoutDefines are layout.cu's for blocks of threads.
+func LayoutDefines(threads int) map[string]string {
+	return map[string]string{"PYEP_LAYOUT_THREADS": itoa(threads), "PYEP_LAYOUT_EXPERTS_PER_BLOCK": itoa(layoutExpertsPerBlock)}
+}
+
+// NotifyDefines are those of notify and the prologue (intranode.cu) for numRanks ranks.
+func NotifyDefines(numRanks, notifyThreads, threads int) map[string]string {
+	return map[string]string{"PYEP_NOTIFY": "", "PYEP_RANKS": itoa(numRanks), "PYEP_NOTIFY_THREADS": itoa(notifyThreads),
+		"PYEP_THREADS": itoa(threads)}
+}
+
+// DispatchDefines are the dispatch kernel's: rows of hiddenBytes (+ scalesBytes of scales),
+// topk indices per token (0 for a cached dispatch), moved as vec-byte vectors.
+func DispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec, threads int) map[string]string {
+	return map[string]string{"PYEP_DISPATCH": "", "PYEP_RANKS": itoa(numRanks), "PYEP_HIDDEN_BYTES": itoa(hiddenBytes),
+		"PYEP_SCALES_BYTES": itoa(scalesBytes), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec), "PYEP_THREADS": itoa(threads)}
+}
+
+// CombineDefines are the combine kernel's: rows of hidden elements of dtype (1 bf16, 2 fp16,
+// 3 fp32), topk weights per row (0 for none), vec-byte vectors.
+func CombineDefines(numRanks, hidden, dtype, topk, vec, threads int) map[string]string {
+	return map[string]string{"PYEP_COMBINE": "", "PYEP_RANKS": itoa(numRanks), "PYEP_HIDDEN": itoa(hidden),
+		"PYEP_DTYPE": itoa(dtype), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec), "PYEP_THREADS": itoa(threads)}
+}
+
+const layoutExpertsPerBlock = 64

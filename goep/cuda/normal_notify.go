@@ -1,0 +1,243 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"unsafe"
+
+	"github.com/pyep/pyep/goep"
+)
+
+// Layout implements goep.NormalEngine: the counts on the GPU, queued without a wait (DeepEP's
+// layout does not synchronise either). Its check of every expert index is recorded on the GPU
+// and reported by the next dispatch's notify, on every rank.
+func (e *normalEngine) Layout(a *goep.LayoutOp) error {
+	end, err := e.begin()
+	defer end()
+	if err != nil {
+		return err
+	}
+	if e.layoutHost == nil {
+		if e.layoutHost, e.layoutDev, err = e.b.hostAlloc(32); err != nil {
+			return err
+		}
+	}
+	T, K := int32(a.TopkIdx.Shape[0]), int32(a.TopkIdx.Shape[1])
+	E, R := int32(a.NumExperts), int32(a.NumRanks)
+	threads := int32(e.opts.LayoutThreads)
+	f, err := e.b.kernels.function(e.b, kernelKey{kind: kindLayout, name: nameLayout, threads: threads}, "layout.cu",
+		func() map[string]string { return LayoutDefines(int(threads)) })
+	if err != nil {
+		return err
+	}
+	p := &e.params.layout
+	*p = layoutParams{Topk: ptr(a.TopkIdx), PerRank: ptr(a.PerRank), PerExpert: ptr(a.PerExpert), InRank: ptr(a.InRank),
+		Result: uint64(e.layoutDev), Tag: e.layoutTag + 1, NumTokens: T, NumTopk: K, NumExperts: E, NumRanks: R}
+	grid := uint32(R + (E+layoutExpertsPerBlock-1)/layoutExpertsPerBlock)
+	if err := e.orderBefore(a.Order); err != nil {
+		return err
+	}
+	if err := e.launch(f, grid, uint32(threads), unsafe.Pointer(p)); err != nil {
+		return err
+	}
+	e.layoutTag++
+	return e.orderAfter(a.Order)
+}
+
+// Notify implements goep.NormalEngine.
+func (e *normalEngine) Notify(peers []goep.Region, a *goep.NotifyOp) (int, error) {
+	topo := e.env.Topo
+	end, st, _, err := e.enterBuffer()
+	defer end()
+	if err != nil {
+		return 0, err
+	}
+	f, scratchOff, err := e.prepareNotify(st, topo, peers, a)
+	if err != nil {
+		return 0, err
+	}
+	if err := e.orderBefore(a.Order); err != nil {
+		return 0, err
+	}
+	seq, err := e.launchNotify(f, st)
+	if err != nil {
+		return 0, err
+	}
+	n, _, err := e.finishNotify(st, seq, topo, a, scratchOff)
+	if err != nil {
+		return 0, err
+	}
+	return n, e.orderAfter(a.Order)
+}
+
+// NotifyDispatch implements goep.SpeculativeEngine: notify, and behind it on the stream the
+// dispatch into rows allocated before the counts are known (n.Capacity of them), then the
+// wait for notify's answer. The dispatch runs only if every rank's rows fit (notify's verdict,
+// the same on every rank); otherwise it returns at once, ran is false, and the caller
+// dispatches again into exact rows (that Dispatch follows the notify, as after Notify). n.Order
+// orders both: the stream order of a dispatch that does not run is the later Dispatch's.
+func (e *normalEngine) NotifyDispatch(peers []goep.Region, n *goep.NotifyOp, d *goep.DispatchOp) (numRecv int, ran bool, err error) {
+	topo := e.env.Topo
+	if n.Capacity <= 0 || int64(n.Capacity) != d.RecvX.Shape[0] {
+		return 0, false, goep.Argf("dispatch: capacity = %d for %d allocated rows", n.Capacity, d.RecvX.Shape[0])
+	}
+	end, st, _, err := e.enterBuffer()
+	defer end()
+	if err != nil {
+		return 0, false, err
+	}
+	// Everything is checked and compiled before the first launch: once notify runs, the peers
+	// count on this rank's dispatch.
+	fn, scratchOff, err := e.prepareNotify(st, topo, peers, n)
+	if err != nil {
+		return 0, false, err
+	}
+	fd, off, err := e.prepareDispatch(st, topo, d, scratchOff)
+	if err != nil {
+		return 0, false, err
+	}
+	if err := e.orderBefore(n.Order); err != nil {
+		return 0, false, err
+	}
+	seq, err := e.launchNotify(fn, st)
+	if err != nil {
+		return 0, false, err
+	}
+	e.fillDispatch(st, topo, peers, d, off, seq)
+	if err := e.launch(fd, uint32(2*d.Config.NumChannels()), uint32(e.opts.Threads), unsafe.Pointer(&e.params.dispatch)); err != nil {
+		if st.dead == nil {
+			st.dead = fmt.Errorf("pyep: dispatch: the launch after its notify failed: %w", err)
+		}
+		return 0, false, err
+	}
+	numRecv, ran, err = e.finishNotify(st, seq, topo, n, scratchOff)
+	if err != nil || !ran {
+		return numRecv, ran, err
+	}
+	st.notified = false // the dispatch consumed the notify
+	return numRecv, ran, e.orderAfter(n.Order)
+}
+
+// prepareNotify checks a notify, finds its kernel and fills its launch parameters.
+func (e *normalEngine) prepareNotify(st *bufferState, topo goep.Topology, peers []goep.Region,
+	a *goep.NotifyOp) (f Function, scratchOff int64, err error) {
+	b := e.b
+	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
+	E := a.NumExperts
+	// goep checked the arguments' ranges; the capacity is what goep allocated.
+	if a.Capacity < 0 || a.Capacity > goep.MaxRows {
+		return f, 0, goep.Argf("dispatch: capacity = %d is out of range", a.Capacity)
+	}
+	blockBytes, scratch := notifyScratch(R, C, E)
+	scratchOff = (e.env.NumNVLBytes - scratch) / 16 * 16
+	_, counterBytes := counters(C, R)
+	if counterBytes > scratchOff {
+		return f, 0, tooSmall("dispatch", me, e.env.NumNVLBytes, counterBytes+scratch,
+			fmt.Sprintf("the ring counters and the count exchange of %d ranks, %d channels and %d experts", R, C, E))
+	}
+	epr := E / R
+	if st.resCap < epr {
+		if st.resHost != nil {
+			_ = b.drv.MemFreeHost(st.resHost)
+			st.resHost, st.resCap = nil, 0
+		}
+		n := max(epr, 256)
+		if st.resHost, st.resDev, err = b.hostAlloc(notifyResultBytes + 4*n); err != nil {
+			return f, 0, err
+		}
+		st.resCap = n
+	}
+	threads := int32(e.opts.NotifyThreads)
+	key := kernelKey{kind: kindNotify, name: nameNotify, ranks: int32(R), threads: threads}
+	if f, err = e.b.kernels.function(e.b, key, "intranode.cu", func() map[string]string { return NotifyDefines(R, int(threads), e.opts.Threads) }); err != nil {
+		return f, 0, err
+	}
+	p := &e.params.notify
+	e.fillCtx(&p.Ctx, st, topo, peers, a.Config)
+	K := int32(0)
+	if a.TopkIdx.Valid {
+		K = int32(a.TopkIdx.Shape[1])
+	}
+	p.InRank, p.PerRank, p.PerExpert, p.Topk = ptr(a.InRank), ptr(a.PerRank), ptr(a.PerExpert), ptr(a.TopkIdx)
+	if K == 0 {
+		p.Topk = 0
+	}
+	p.RankPrefix, p.ChannelPrefix, p.RecvChannelPrefix = ptr(a.RankPrefix), ptr(a.ChannelPrefix), ptr(a.RecvChannelPrefix)
+	p.RecvPerExpert, p.Result = ptr(a.RecvPerExpert), uint64(st.resDev)
+	p.ScratchOff, p.BlockBytes = uint64(scratchOff), uint64(blockBytes)
+	p.NumTokens, p.NumTopk, p.NumExperts = int32(a.NumTokens), K, int32(E)
+	p.Alignment, p.NumWorst, p.Capacity = int32(a.ExpertAlignment), int32(a.NumWorstTokens), int32(a.Capacity)
+	p.LayoutRec, p.LayoutTag = 0, 0
+	if e.layoutTag > 0 {
+		p.LayoutRec, p.LayoutTag = uint64(e.layoutDev), e.layoutTag
+	}
+	return f, scratchOff, nil
+}
+
+// launchNotify queues the prepared notify; it returns the notify's barrier number.
+func (e *normalEngine) launchNotify(f Function, st *bufferState) (seq uint64, err error) {
+	seq = st.seq
+	if err := e.launch(f, 1, uint32(e.opts.NotifyThreads), unsafe.Pointer(&e.params.notify)); err != nil {
+		return 0, err
+	}
+	st.seq += 2
+	return seq, nil
+}
+
+// finishNotify waits for the answer of the notify with barrier number seq.
+func (e *normalEngine) finishNotify(st *bufferState, seq uint64, topo goep.Topology, a *goep.NotifyOp, scratchOff int64) (int, bool, error) {
+	res := (*notifyResult)(st.resHost)
+	if err := e.waitHost(&res.Tag, seq, st, "dispatch (notify)"); err != nil {
+		if st.dead == nil {
+			st.dead, st.reported = err, true
+		}
+		return 0, false, err
+	}
+	r := *res
+	E, me := a.NumExperts, topo.NVLRank
+	switch r.Status {
+	case 0:
+	case 4:
+		return 0, false, fmt.Errorf("dispatch: rank %d: no rank dispatches: rank %d has invalid arguments: %v", me, r.BadRank,
+			statusError(r.PeerStatus, int(r.BadRank), r.D0, r.D1, r.D2, E))
+	case 5:
+		return 0, false, goep.Argf("dispatch: num_worst_tokens = %d is too small: rank %d receives %d tokens", a.NumWorstTokens, r.BadRank, r.D0)
+	default:
+		return 0, false, statusError(r.Status, me, r.D0, r.D1, r.D2, E)
+	}
+	epr := E / topo.NumNVLRanks
+	st.perExpert = append(st.perExpert[:0], unsafe.Slice((*int32)(unsafe.Add(st.resHost, notifyResultBytes)), epr)...)
+	st.notified, st.scratchOff = true, scratchOff
+	return int(r.NumRecv), r.Go != 0, nil
+}
+
+// RecvPerExpert implements goep.PerExpertCounter: num_recv_tokens_per_expert of the buffer's
+// last notify, the host's copy (no device synchronisation).
+func (e *normalEngine) RecvPerExpert() ([]int32, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.st.perExpert == nil {
+		return nil, errors.New("pyep: no dispatch on this buffer yet")
+	}
+	return append([]int32(nil), e.st.perExpert...), nil
+}
+
+// prologueFor launches the barrier and counter reset in front of a cached dispatch or a combine.
+func (e *normalEngine) prologueFor(op int32, st *bufferState, topo goep.Topology, peers []goep.Region, cfg goep.Config) error {
+	threads := int32(e.opts.NotifyThreads)
+	key := kernelKey{kind: kindNotify, name: namePrologue, ranks: int32(topo.NumNVLRanks), threads: threads}
+	f, err := e.b.kernels.function(e.b, key, "intranode.cu", func() map[string]string {
+		return NotifyDefines(topo.NumNVLRanks, int(threads), e.opts.Threads)
+	})
+	if err != nil {
+		return err
+	}
+	p := &e.params.prologue
+	e.fillCtx(&p.Ctx, st, topo, peers, cfg)
+	p.Op = op
+	if err := e.launch(f, 1, 256, unsafe.Pointer(p)); err != nil {
+		return err
+	}
+	st.seq += 2
+	return nil
+}
