@@ -1,0 +1,10 @@
+// Package lowlatency is the reference of pyep's low-latency (LL) mode, DeepEP V1's
+// low_latency_dispatch and low_latency_combine, over the shared low-latency regions of every
+// rank (the cpu backend's shared memory; the cuda kernels follow the same layout and protocol).
+//
+// Each rank writes its tokens straight into the receivers' slots and then one flag per
+// (expert, source rank); the receiver waits, bounded by the timeout, for the flag of every
+// unmasked source and copies the rows out. layout.go documents the region's layout and the
+// protocol (sequence numbers instead of zeroing, the two halves, acknowledgements); the
+// synchronization contract users see is docs/low-latency.md.
+package lowlatency

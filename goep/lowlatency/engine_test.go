@@ -1,0 +1,360 @@
+package lowlatency
+
+import (
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// group is R engines over regions in this process's memory, as the ranks' processes see them.
+type group struct {
+	engines []*Engine
+	mem     [][]byte
+}
+
+func newGroup(t *testing.T, R int, s Shape, shrink bool, timeout time.Duration) *group {
+	t.Helper()
+	size, err := SizeHint(R, s)
+	require.NoError(t, err)
+	g := &group{}
+	regions := make([]unsafe.Pointer, R)
+	for r := range R {
+		m := make([]byte, size+align)
+		off := (align - int(uintptr(unsafe.Pointer(&m[0])))%align) % align
+		g.mem = append(g.mem, m)
+		regions[r] = unsafe.Pointer(&m[off])
+	}
+	for r := range R {
+		e, err := NewEngine(Domain{Rank: r, NumRanks: R, Regions: regions, NumBytes: size, Timeout: timeout, Shrink: shrink})
+		require.NoError(t, err)
+		g.engines = append(g.engines, e)
+	}
+	return g
+}
+
+// each runs f on every rank at once and returns their errors.
+func (g *group) each(f func(r int, e *Engine) error) []error {
+	errs := make([]error, len(g.engines))
+	var wg sync.WaitGroup
+	for r, e := range g.engines {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[r] = f(r, e) }()
+	}
+	wg.Wait()
+	return errs
+}
+
+type rankInput struct {
+	T    int
+	x    []uint16
+	topk []int64
+	w    []float32
+}
+
+func inputs(rng *rand.Rand, R, K int, s Shape, tokens []int) []rankInput {
+	in := make([]rankInput, R)
+	for r := range R {
+		T := tokens[r]
+		in[r] = rankInput{T: T, x: make([]uint16, T*s.Hidden), topk: make([]int64, T*K), w: make([]float32, T*K)}
+		for i := range in[r].x {
+			in[r].x[i] = f32ToBF16(float32(rng.NormFloat64()))
+		}
+		for t := range T {
+			experts := rng.Perm(s.NumExperts)
+			for k := range K {
+				in[r].topk[t*K+k] = -1
+				if k < len(experts) && rng.IntN(5) > 0 { // -1 too
+					in[r].topk[t*K+k] = int64(experts[k])
+				}
+				in[r].w[t*K+k] = rng.Float32()
+			}
+		}
+	}
+	return in
+}
+
+func dispatchArgs(s Shape, R, K int, in rankInput, fp8, round, ue8m0 bool) *DispatchArgs {
+	L, RM := s.NumExperts/R, R*s.MaxTokens
+	rowBytes, S := 2*s.Hidden, 0
+	if fp8 {
+		rowBytes, S = s.Hidden, s.Hidden/ScaleBlock
+		if ue8m0 {
+			S = (S + 3) / 4
+		}
+	}
+	return &DispatchArgs{Shape: s, NumTokens: in.T, NumTopk: K, X: in.x, TopkIdx: in.topk,
+		UseFP8: fp8, RoundScale: round, UseUE8M0: ue8m0,
+		RecvX: make([]byte, L*RM*rowBytes), RecvScales: make([]uint32, L*RM*S), SrcInfo: make([]int32, L*RM),
+		LayoutRange: make([]int64, L*R), Count: make([]int32, L), CumStats: make([]int32, L), WaitStats: make([]int64, R)}
+}
+
+// expectRows is what rank r's local expert j receives: (source rank, token) in order.
+func expectRows(in []rankInput, K, L, g int) [][2]int {
+	var rows [][2]int
+	for s, ri := range in {
+		for t := range ri.T {
+			for k := range K {
+				if ri.topk[t*K+k] == int64(g) {
+					rows = append(rows, [2]int{s, t})
+				}
+			}
+		}
+	}
+	return rows
+}
+
+func TestDispatchCombine(t *testing.T) {
+	cases := []struct {
+		name              string
+		R, M, H, E, K     int
+		fp8, round, ue8m0 bool
+		hook              bool
+		tokens            []int // per rank; nil: M each
+	}{
+		{name: "1 rank bf16", R: 1, M: 4, H: 128, E: 3, K: 2},
+		{name: "2 ranks bf16 hook", R: 2, M: 8, H: 256, E: 4, K: 3, hook: true},
+		{name: "3 ranks fp8, an empty rank", R: 3, M: 5, H: 384, E: 6, K: 4, fp8: true, tokens: []int{5, 0, 3}},
+		{name: "4 ranks fp8 round", R: 4, M: 6, H: 128, E: 8, K: 11, fp8: true, round: true},
+		{name: "4 ranks ue8m0 hook", R: 4, M: 3, H: 640, E: 4, K: 2, fp8: true, round: true, ue8m0: true, hook: true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			s := Shape{MaxTokens: c.M, Hidden: c.H, NumExperts: c.E}
+			g := newGroup(t, c.R, s, false, 10*time.Second)
+			tokens := c.tokens
+			if tokens == nil {
+				tokens = make([]int, c.R)
+				for r := range tokens {
+					tokens[r] = c.M
+				}
+			}
+			rng := rand.New(rand.NewPCG(1, uint64(c.R)))
+			L, RM, H := c.E/c.R, c.R*c.M, c.H
+			// Three rounds: both halves in turn, and the acknowledgements of call n-2.
+			for round := range 3 {
+				in := inputs(rng, c.R, c.K, s, tokens)
+				args := make([]*DispatchArgs, c.R)
+				errs := g.each(func(r int, e *Engine) error {
+					args[r] = dispatchArgs(s, c.R, c.K, in[r], c.fp8, c.round, c.ue8m0)
+					recv, err := e.Dispatch(args[r])
+					if err != nil {
+						return err
+					}
+					return recv.Finish()
+				})
+				for _, err := range errs {
+					require.NoError(t, err)
+				}
+				for r, a := range args {
+					for j := range L {
+						want := expectRows(in, c.K, L, r*L+j)
+						require.Equal(t, len(want), int(a.Count[j]), "round %d rank %d expert %d", round, r, j)
+						assert.Equal(t, a.Count[j], a.CumStats[j])
+						for i, w := range want {
+							row := j*RM + i
+							require.Equal(t, int32(w[1]), a.SrcInfo[row])
+							x := in[w[0]].x[w[1]*H : (w[1]+1)*H]
+							if !c.fp8 {
+								assert.Equal(t, x, unsafe.Slice((*uint16)(unsafe.Pointer(&a.RecvX[row*2*H])), H))
+								continue
+							}
+							q, sc := make([]byte, H), make([]float32, H/ScaleBlock)
+							castFP8(x, q, sc, c.round)
+							assert.Equal(t, q, a.RecvX[row*H:(row+1)*H])
+							for b, v := range sc {
+								if c.ue8m0 {
+									word := a.RecvScales[(j*((H/ScaleBlock+3)/4)+b/4)*RM+i]
+									assert.Equal(t, ue8m0(v), uint8(word>>(8*(b%4))))
+								} else {
+									assert.Equal(t, v, *(*float32)(unsafe.Pointer(&a.RecvScales[(j*(H/ScaleBlock)+b)*RM+i])))
+								}
+							}
+						}
+						begin := 0
+						for src := range c.R {
+							n := 0
+							for _, w := range want {
+								if w[0] == src {
+									n++
+								}
+							}
+							assert.Equal(t, int64(begin)<<32|int64(n), a.LayoutRange[j*c.R+src])
+							begin += n
+						}
+					}
+				}
+				// Combine the received rows as they came (bf16 only: fp8 rows are bytes here).
+				if c.fp8 {
+					continue
+				}
+				outs := make([][]uint16, c.R)
+				errs = g.each(func(r int, e *Engine) error {
+					a := args[r]
+					outs[r] = make([]uint16, in[r].T*H)
+					recv, err := e.Combine(&CombineArgs{Shape: s, NumTokens: in[r].T, NumTopk: c.K,
+						X: unsafe.Slice((*uint16)(unsafe.Pointer(&a.RecvX[0])), L*RM*H), SrcInfo: a.SrcInfo, LayoutRange: a.LayoutRange,
+						TopkIdx: in[r].topk, TopkWeights: in[r].w, Out: outs[r], WaitStats: make([]int64, c.R)})
+					if err != nil {
+						return err
+					}
+					if c.hook {
+						time.Sleep(time.Millisecond)
+					}
+					return recv.Finish()
+				})
+				for _, err := range errs {
+					require.NoError(t, err)
+				}
+				for r := range c.R {
+					for tok := range in[r].T {
+						for ch := range H {
+							acc := float32(0)
+							for k := range c.K {
+								if in[r].topk[tok*c.K+k] >= 0 {
+									acc += float32(bf16ToF32(in[r].x[tok*H+ch]) * in[r].w[tok*c.K+k])
+								}
+							}
+							require.Equal(t, f32ToBF16(acc), outs[r][tok*H+ch], "rank %d token %d channel %d", r, tok, ch)
+						}
+					}
+				}
+			}
+		})
+	}
+}
+
+func TestTwoCallsAwaitTheirHooks(t *testing.T) {
+	s := Shape{MaxTokens: 2, Hidden: 128, NumExperts: 2}
+	g := newGroup(t, 2, s, false, 5*time.Second)
+	rng := rand.New(rand.NewPCG(2, 2))
+	in1, in2 := inputs(rng, 2, 1, s, []int{2, 2}), inputs(rng, 2, 1, s, []int{2, 2})
+	errs := g.each(func(r int, e *Engine) error {
+		a1, a2 := dispatchArgs(s, 2, 1, in1[r], false, false, false), dispatchArgs(s, 2, 1, in2[r], false, false, false)
+		h1, err := e.Dispatch(a1)
+		require.NoError(t, err)
+		h2, err := e.Dispatch(a2)
+		require.NoError(t, err)
+		// A third call would overwrite the rows that the first hook has not read.
+		_, err = e.Dispatch(a1)
+		require.ErrorIs(t, err, ErrInvalid)
+		require.ErrorContains(t, err, "receive hook of low-latency call 1")
+		require.NoError(t, h1.Finish())
+		require.ErrorContains(t, h1.Finish(), "already called")
+		require.NoError(t, h2.Finish())
+		assert.Equal(t, int32(len(expectRows(in1, 1, 1, r))), a1.Count[0])
+		assert.Equal(t, int32(len(expectRows(in2, 1, 1, r))), a2.Count[0])
+		return nil
+	})
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+}
+
+func TestTimeoutMasksOrFails(t *testing.T) {
+	s := Shape{MaxTokens: 2, Hidden: 128, NumExperts: 4}
+	for _, shrink := range []bool{true, false} {
+		g := newGroup(t, 2, s, shrink, 200*time.Millisecond)
+		in := inputs(rand.New(rand.NewPCG(3, 3)), 2, 2, s, []int{2, 2})
+		// Rank 1 never calls.
+		a := dispatchArgs(s, 2, 2, in[0], false, false, false)
+		recv, err := g.engines[0].Dispatch(a)
+		require.NoError(t, err)
+		err = recv.Finish()
+		if shrink {
+			require.NoError(t, err)
+			assert.Equal(t, []int{1}, g.engines[0].TimedOut())
+			assert.True(t, g.engines[0].Masked(1))
+			assert.Equal(t, int64(0), a.LayoutRange[1]&0xffffffff)
+			continue
+		}
+		require.ErrorIs(t, err, ErrTimeout)
+		require.ErrorContains(t, err, "rank 1 did not answer")
+		_, err = g.engines[0].Dispatch(a)
+		require.ErrorContains(t, err, "needs clean_low_latency_buffer")
+		// A clean on both ranks brings the group back.
+		for _, err := range g.each(func(r int, e *Engine) error { return e.Clean(s) }) {
+			require.NoError(t, err)
+		}
+		for _, err := range g.each(func(r int, e *Engine) error {
+			recv, err := e.Dispatch(dispatchArgs(s, 2, 2, in[r], false, false, false))
+			if err == nil {
+				err = recv.Finish()
+			}
+			return err
+		}) {
+			require.NoError(t, err)
+		}
+	}
+}
+
+func TestMaskedRankIsNeitherSentToNorAwaited(t *testing.T) {
+	s := Shape{MaxTokens: 3, Hidden: 128, NumExperts: 3}
+	g := newGroup(t, 3, s, true, 10*time.Second)
+	in := inputs(rand.New(rand.NewPCG(4, 4)), 3, 3, s, []int{3, 3, 3})
+	for r := range 2 {
+		require.NoError(t, g.engines[r].SetMask(2, true))
+	}
+	errs := g.each(func(r int, e *Engine) error {
+		if r == 2 {
+			return nil
+		}
+		a := dispatchArgs(s, 3, 3, in[r], false, false, false)
+		recv, err := e.Dispatch(a)
+		if err == nil {
+			err = recv.Finish()
+		}
+		assert.Equal(t, int64(0), a.LayoutRange[2]&0xffffffff)
+		return err
+	})
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+	// Nothing reached rank 2's region.
+	l, _ := NewLayout(3, s)
+	flags := unsafe.Slice((*uint64)(g.engines[2].d.Regions[2]), l.Send(0)/8)
+	for _, f := range flags[l.DispatchFlags(0)/8:] {
+		assert.Zero(t, f)
+	}
+	mask := make([]int32, 3)
+	g.engines[0].Masks(mask)
+	assert.Equal(t, []int32{0, 0, 1}, mask)
+	g.engines[0].CleanMasks()
+	g.engines[0].Masks(mask)
+	assert.Equal(t, []int32{0, 0, 0}, mask)
+	assert.ErrorIs(t, g.engines[0].SetMask(3, true), ErrInvalid)
+}
+
+func TestDuplicateExpertIsRefused(t *testing.T) {
+	s := Shape{MaxTokens: 2, Hidden: 128, NumExperts: 2}
+	g := newGroup(t, 1, s, false, time.Second)
+	in := rankInput{T: 1, x: make([]uint16, 128), topk: []int64{1, -1, 1}}
+	_, err := g.engines[0].Dispatch(dispatchArgs(s, 1, 3, in, false, false, false))
+	require.ErrorIs(t, err, ErrInvalid)
+	assert.ErrorContains(t, err, "topk_idx[0, 2] = 1: expert 1 is selected twice by token 0")
+	in.topk[2] = 2
+	_, err = g.engines[0].Dispatch(dispatchArgs(s, 1, 3, in, false, false, false))
+	assert.ErrorContains(t, err, "topk_idx[0, 2] = 2: expected -1 or an expert in [0, 2)")
+}
+
+func TestShapeChangeNeedsClean(t *testing.T) {
+	s := Shape{MaxTokens: 2, Hidden: 128, NumExperts: 2}
+	g := newGroup(t, 1, s, false, time.Second)
+	in := inputs(rand.New(rand.NewPCG(5, 5)), 1, 1, s, []int{1})
+	recv, err := g.engines[0].Dispatch(dispatchArgs(s, 1, 1, in[0], false, false, false))
+	require.NoError(t, err)
+	require.NoError(t, recv.Finish())
+	small := Shape{MaxTokens: 1, Hidden: 128, NumExperts: 2}
+	_, err = g.engines[0].Dispatch(dispatchArgs(small, 1, 1, in[0], false, false, false))
+	require.ErrorContains(t, err, "call clean_low_latency_buffer")
+	require.NoError(t, g.engines[0].Clean(small))
+	recv, err = g.engines[0].Dispatch(dispatchArgs(small, 1, 1, in[0], false, false, false))
+	require.NoError(t, err)
+	require.NoError(t, recv.Finish())
+	big := Shape{MaxTokens: 1000, Hidden: 128, NumExperts: 2}
+	require.ErrorContains(t, g.engines[0].Clean(big), "see Buffer.get_low_latency_rdma_size_hint")
+}
