@@ -25,6 +25,9 @@ type NormalOptions struct {
 	// Block sizes of dispatch/combine, notify and layout; 0: 768 (PYEP_NORMAL_THREADS, a
 	// multiple of 32 up to 1024, read at start-up, overrides it), 1024, 512.
 	Threads, NotifyThreads, LayoutThreads int
+	// Low-latency mode's block size (0: 512) and blocks (0: one an SM, at most 32, shared among
+	// the ranks on the GPU).
+	LowLatencyThreads, LowLatencyBlocks int
 }
 
 // normalThreads is the block size of dispatch and combine: PYEP_NORMAL_THREADS when valid.
@@ -49,6 +52,9 @@ func (o NormalOptions) withDefaults() NormalOptions {
 	}
 	if o.LayoutThreads == 0 {
 		o.LayoutThreads = 512
+	}
+	if o.LowLatencyThreads == 0 {
+		o.LowLatencyThreads = 512
 	}
 	return o
 }
@@ -96,6 +102,8 @@ const (
 	kindDispatch
 	kindCombine
 	kindLayout
+	kindLLDispatch
+	kindLLCombine
 )
 
 // kernelKey identifies a compiled variant; comparable, so a lookup allocates nothing.
@@ -110,10 +118,13 @@ const (
 	nameDispatch
 	nameCombine
 	nameLayout
+	nameLLDispatch
+	nameLLCombine
 )
 
 var kernelNames = map[int8]string{nameNotify: "pyep_notify", namePrologue: "pyep_prologue",
-	nameDispatch: "pyep_dispatch", nameCombine: "pyep_combine", nameLayout: "pyep_layout"}
+	nameDispatch: "pyep_dispatch", nameCombine: "pyep_combine", nameLayout: "pyep_layout",
+	nameLLDispatch: "pyep_ll_dispatch", nameLLCombine: "pyep_ll_combine"}
 
 // function returns the kernel of key, loading it on first use; the context is current.
 func (k *kernelCache) function(b *Backend, key kernelKey, file string, defines func() map[string]string) (Function, error) {

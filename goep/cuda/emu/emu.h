@@ -162,6 +162,7 @@ static inline int __popc(unsigned v) { return __builtin_popcount(v); }
 static inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
 static inline float __int_as_float(int v) { return ::emu::unbits<float>(static_cast<uint32_t>(v)); }
 static inline float __uint_as_float(unsigned v) { return ::emu::unbits<float>(v); }
+static inline unsigned __float_as_uint(float f) { return ::emu::unbits<unsigned>(::emu::bits(f)); }
 
 template <typename T>
 static inline T min(T a, T b) { return b < a ? b : a; }
@@ -185,6 +186,9 @@ static inline int atomicMin(int* p, int v) {
     return old;
 }
 static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
 
 namespace pyep {
 

@@ -1,0 +1,261 @@
+//go:build cgo
+
+package emu_test
+
+import (
+	"fmt"
+	"math/rand"
+	"os"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pyep/pyep/goep/cuda"
+	"github.com/pyep/pyep/goep/cuda/emu"
+	"github.com/pyep/pyep/goep/cuda/fake"
+	"github.com/pyep/pyep/goep/dlpack"
+	"github.com/pyep/pyep/goep/lowlatency"
+)
+
+// Low-latency mode's kernels (kernels/low_latency.cu) emulated on the host against
+// goep/lowlatency, the cpu reference: every output bit for bit, over several calls (both halves,
+// hooks) on one set of regions.
+
+type llRank struct {
+	drv *fake.Driver
+	be  *cuda.Backend
+	ll  *cuda.LowLatency
+	env *rankEnv
+}
+
+func newLLDomain(t *testing.T, R int, numBytes int64) []*llRank {
+	t.Helper()
+	w := fake.NewWorld()
+	ranks := make([]*llRank, R)
+	locals := make([]interface{ Token() []byte }, R)
+	tokens := make([][]byte, R)
+	for r := range ranks {
+		d := fake.New(fake.Config{World: w, Devices: 8, MemBytes: 1 << 30, Guard: os.Getenv("PYEP_EMU_NOGUARD") == ""})
+		be, err := cuda.NewBackend(d, r, cuda.BackendOptions{Timeout: 20 * time.Second, NVLink: allLinks{}, Process: fmt.Sprint("rank", r)})
+		require.NoError(t, err)
+		o := emu.Options()
+		o.LowLatencyThreads, o.LowLatencyBlocks = 64, 2
+		be.SetNormalOptions(o)
+		l, err := be.Allocate(numBytes, R-1)
+		require.NoError(t, err)
+		locals[r], tokens[r] = l, l.Token()
+		ranks[r] = &llRank{drv: d, be: be, env: &rankEnv{r: r, drv: d, be: be}}
+		t.Cleanup(func() { assert.NoError(t, l.Close()) })
+	}
+	for r, k := range ranks {
+		regions := make([]unsafe.Pointer, R)
+		for p := range R {
+			if p == r {
+				regions[p] = locals[p].(interface{ Data() unsafe.Pointer }).Data()
+				continue
+			}
+			reg, err := k.be.Open(tokens[p], numBytes)
+			require.NoError(t, err)
+			t.Cleanup(func() { assert.NoError(t, reg.Close()) })
+			regions[p] = reg.Data()
+		}
+		var err error
+		k.ll, err = k.be.NewLowLatency(r, regions, numBytes, 1)
+		require.NoError(t, err)
+		t.Cleanup(func() { assert.NoError(t, k.ll.Close()) })
+	}
+	return ranks
+}
+
+// refLL is goep/lowlatency's engines over host memory.
+func refLL(t *testing.T, R int, numBytes int64) []*lowlatency.Engine {
+	regions := make([]unsafe.Pointer, R)
+	for r := range regions {
+		b := make([]uint64, numBytes/8+16)
+		p := uintptr(unsafe.Pointer(&b[0]))
+		regions[r] = unsafe.Pointer(&b[(128-p%128)%128/8])
+	}
+	out := make([]*lowlatency.Engine, R)
+	for r := range out {
+		e, err := lowlatency.NewEngine(lowlatency.Domain{Rank: r, NumRanks: R, Regions: regions, NumBytes: numBytes, Timeout: 20 * time.Second})
+		require.NoError(t, err)
+		out[r] = e
+	}
+	return out
+}
+
+type llCase struct {
+	R, T, H, K, E, M        int
+	fp8, round, ue8m0, hook bool
+}
+
+func (c llCase) inputs(r, call int) (x []uint16, idx []int64, w []float32) {
+	rng := rand.New(rand.NewSource(int64(1000*r + call + 7)))
+	T := c.T - r%2 // ranks send different token counts
+	x = make([]uint16, T*c.H)
+	for i := range x {
+		x[i] = uint16(rng.Intn(1<<15))&0x3fff | uint16(rng.Intn(2))<<15 // finite bf16 values of both signs
+	}
+	idx = make([]int64, T*c.K)
+	w = make([]float32, T*c.K)
+	for t := range T {
+		perm := rng.Perm(c.E)
+		for k := range c.K {
+			idx[t*c.K+k] = int64(perm[k])
+			if rng.Intn(5) == 0 {
+				idx[t*c.K+k] = -1
+			}
+			w[t*c.K+k] = rng.Float32()
+		}
+	}
+	return x, idx, w
+}
+
+func TestEmulatedLowLatency(t *testing.T) {
+	for _, c := range []llCase{
+		{R: 2, T: 6, H: 256, K: 3, E: 8, M: 8},
+		{R: 2, T: 6, H: 384, K: 3, E: 8, M: 8, fp8: true},
+		{R: 3, T: 5, H: 256, K: 2, E: 6, M: 6, fp8: true, round: true, ue8m0: true, hook: true},
+	} {
+		t.Run(fmt.Sprintf("R%d_H%d_fp8=%v_ue8m0=%v_hook=%v", c.R, c.H, c.fp8, c.ue8m0, c.hook), func(t *testing.T) {
+			runLL(t, c)
+		})
+	}
+}
+
+func runLL(t *testing.T, c llCase) {
+	shape := lowlatency.Shape{MaxTokens: c.M, Hidden: c.H, NumExperts: c.E}
+	size, err := lowlatency.SizeHint(c.R, shape)
+	require.NoError(t, err)
+	gpu := newLLDomain(t, c.R, size)
+	ref := refLL(t, c.R, size)
+	L, RM := c.E/c.R, c.R*c.M
+	rowBytes, S := 2*c.H, c.H/lowlatency.ScaleBlock
+	if c.fp8 {
+		rowBytes = c.H
+	}
+	if c.ue8m0 {
+		S = (S + 3) / 4
+	}
+	// Three rounds of dispatch + combine: calls 1..6, both halves twice and more.
+	for round := range 3 {
+		type outs struct {
+			recv, scales, src, rng, cnt []byte
+			out                         []byte
+		}
+		got := make([]outs, c.R)
+		want := make([]outs, c.R)
+		// Reference.
+		refArgs := make([]*lowlatency.DispatchArgs, c.R)
+		noErrors(t, each(c.R, func(r int) error {
+			x, idx, _ := c.inputs(r, round)
+			a := &lowlatency.DispatchArgs{Shape: shape, NumTokens: len(idx) / c.K, NumTopk: c.K, X: x, TopkIdx: idx,
+				UseFP8: c.fp8, RoundScale: c.round, UseUE8M0: c.ue8m0, RecvX: make([]byte, L*RM*rowBytes),
+				SrcInfo: make([]int32, L*RM), LayoutRange: make([]int64, L*c.R), Count: make([]int32, L)}
+			if c.fp8 {
+				a.RecvScales = make([]uint32, L*RM*S)
+			}
+			refArgs[r] = a
+			rv, err := ref[r].Dispatch(a)
+			if err != nil {
+				return err
+			}
+			return rv.Finish()
+		}))
+		// Emulated GPU.
+		type devArgs struct{ x, idx, w, recv, scales, src, rng, cnt, out dev }
+		da := make([]devArgs, c.R)
+		noErrors(t, each(c.R, func(r int) error {
+			g := gpu[r].env
+			x, idx, w := c.inputs(r, round)
+			T := len(idx) / c.K
+			d := devArgs{x: g.upload(t, dlpack.BF16, bytesOf(x), int64(T), int64(c.H)),
+				idx: g.upload(t, dlpack.I64, bytesOf(idx), int64(T), int64(c.K)),
+				w:   g.upload(t, dlpack.F32, bytesOf(w), int64(T), int64(c.K)),
+				recv: g.alloc(t, dlpack.FP8E4M3, int64(L*RM*rowBytes)), src: g.alloc(t, dlpack.I32, int64(L*RM)),
+				rng: g.alloc(t, dlpack.I64, int64(L*c.R)), cnt: g.alloc(t, dlpack.I32, int64(L)),
+				out: g.alloc(t, dlpack.BF16, int64(max(T, 1)), int64(c.H))}
+			if c.fp8 {
+				d.scales = g.alloc(t, dlpack.I32, int64(L*RM*S))
+			}
+			da[r] = d
+			call := &cuda.LLCall{Shape: shape, NumTokens: T, NumTopk: c.K, UseFP8: c.fp8, RoundScale: c.round, UseUE8M0: c.ue8m0,
+				X: addr(d.x), TopkIdx: addr(d.idx), RecvX: addr(d.recv), RecvScales: addr(d.scales), SrcInfo: addr(d.src),
+				LayoutRange: addr(d.rng), Count: addr(d.cnt), Hook: c.hook}
+			rv, err := gpu[r].ll.Launch(false, call)
+			if err != nil || rv == nil {
+				return err
+			}
+			return rv.Finish(0)
+		}))
+		for r := range c.R {
+			a := refArgs[r]
+			d := da[r]
+			require.Equal(t, i32s(bytesOf(a.Count)), i32s(d.cnt.b), "rank %d round %d: count", r, round)
+			require.Equal(t, i64s(bytesOf(a.LayoutRange)), i64s(d.rng.b), "rank %d round %d: layout_range", r, round)
+			for j := range L {
+				n := int(a.Count[j])
+				base := j * RM
+				assert.Equal(t, a.SrcInfo[base:base+n], i32s(d.src.b)[base:base+n], "rank %d expert %d: src_info", r, j)
+				assert.Equal(t, a.RecvX[base*rowBytes:(base+n)*rowBytes], d.recv.b[base*rowBytes:(base+n)*rowBytes], "rank %d expert %d: recv_x", r, j)
+				if c.fp8 && n > 0 {
+					for s := range S {
+						off := (j*S + s) * RM
+						assert.Equal(t, bytesOf(a.RecvScales[off:off+n]), d.scales.b[4*off:4*(off+n)], "rank %d expert %d scale %d", r, j, s)
+					}
+				}
+			}
+			_ = got
+			_ = want
+		}
+		// Combine the dispatched rows (as bf16: for FP8 the recv rows reinterpreted are as good as any data).
+		outRef := make([][]uint16, c.R)
+		noErrors(t, each(c.R, func(r int) error {
+			_, idx, w := c.inputs(r, round)
+			T := len(idx) / c.K
+			rows := make([]uint16, L*RM*c.H)
+			for i := range rows {
+				rows[i] = uint16((i*7 + r*13 + round) % 9000)
+			}
+			outRef[r] = make([]uint16, T*c.H)
+			a := &lowlatency.CombineArgs{Shape: shape, NumTokens: T, NumTopk: c.K, X: rows, SrcInfo: refArgs[r].SrcInfo,
+				LayoutRange: refArgs[r].LayoutRange, TopkIdx: idx, TopkWeights: w, Out: outRef[r]}
+			rv, err := ref[r].Combine(a)
+			if err != nil {
+				return err
+			}
+			return rv.Finish()
+		}))
+		noErrors(t, each(c.R, func(r int) error {
+			g := gpu[r].env
+			_, idx, _ := c.inputs(r, round)
+			T := len(idx) / c.K
+			rows := make([]uint16, L*RM*c.H)
+			for i := range rows {
+				rows[i] = uint16((i*7 + r*13 + round) % 9000)
+			}
+			x := g.upload(t, dlpack.BF16, bytesOf(rows), int64(len(rows)))
+			call := &cuda.LLCall{Shape: shape, NumTokens: T, NumTopk: c.K, X: addr(x), TopkIdx: addr(da[r].idx),
+				TopkWeights: addr(da[r].w), SrcInfo: addr(da[r].src), LayoutRange: addr(da[r].rng), Out: addr(da[r].out), Hook: c.hook}
+			rv, err := gpu[r].ll.Launch(true, call)
+			if err != nil || rv == nil {
+				return err
+			}
+			return rv.Finish(0)
+		}))
+		for r := range c.R {
+			n := len(outRef[r]) * 2
+			assert.Equal(t, bytesOf(outRef[r]), da[r].out.b[:n], "rank %d round %d: combined", r, round)
+		}
+	}
+}
+
+func addr(d dev) uintptr {
+	if !d.t.Valid {
+		return 0
+	}
+	return uintptr(d.t.Data)
+}

@@ -1,0 +1,386 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"unsafe"
+
+	"github.com/pyep/pyep/goep/lowlatency"
+)
+
+// Low-latency mode on the GPU: kernels/low_latency.cu over every rank's low-latency region
+// (goep/lowlatency's layout), reached through a per-peer pointer table in device memory. Every
+// kernel runs on the caller's stream and reads the call's sequence number from the region
+// itself, so a call captured in a CUDA graph replays correctly: the host passes only the half,
+// which alternates from call to call as the engine counts them (a graph must hold whole pairs of
+// calls, as with DeepEP). A wait that times out masks the peer in this rank's region and fills
+// the engine's error record (host-mapped); the host reads it at the next call and at hooks.
+
+// llParams mirrors LLParams of kernels/low_latency.cu.
+type llParams struct {
+	peers, err, timeoutNS                            uint64
+	calls, counter, offAck, offMask                  uint64
+	offDFlags, offCFlags, offSend, offRecv, msgBytes uint64
+	x, topkIdx, topkWeights                          uint64
+	recvX, recvScales, srcInfo, layoutRange, count   uint64
+	cumStats, waitStats, out                         uint64
+	rank, numRanks, numExperts, maxTokens            int32
+	numTokens, half, phases, zeroCopy                int32
+}
+
+// llError mirrors LLError.
+type llError struct {
+	claimed, code uint32
+	peer, what    int32
+	waitedNS, _   uint64
+}
+
+func init() {
+	if unsafe.Sizeof(llParams{}) != 216 || unsafe.Sizeof(llError{}) != 32 {
+		panic("pyep: cuda: llParams or llError does not match kernels/low_latency.cu")
+	}
+}
+
+const (
+	llPhaseSend = 1
+	llPhaseRecv = 2
+	// llLocalBytes: calls [2]u64, then the receive's block counter (i32).
+	llLocalBytes = 32
+)
+
+// LowLatency is one buffer's low-latency engine on this GPU.
+type LowLatency struct {
+	b        *Backend
+	mu       sync.Mutex
+	rank, n  int
+	bytes    int64
+	base     DevicePtr // this rank's region
+	peersDev DevicePtr // u64 [n]: every rank's region as mapped here
+	sharing  int       // ranks on this GPU
+	localDev DevicePtr // llLocalBytes: the kernels' own counters
+	errHost  unsafe.Pointer
+	errDev   DevicePtr
+	calls    uint64     // calls since clean: the next call's half is calls % 2
+	pending  [2]*LLRecv // the receive of the call on each half that awaits its hook
+	params   *llParams
+	dead     error
+	closed   bool
+}
+
+// NewLowLatency makes the engine of rank over regions (every rank's low-latency region as mapped
+// here, numBytes each).
+// sharing is how many ranks of the group use this GPU (their kernels share its SMs).
+func (b *Backend) NewLowLatency(rank int, regions []unsafe.Pointer, numBytes int64, sharing int) (*LowLatency, error) {
+	exit, err := b.Enter()
+	defer exit()
+	if err != nil {
+		return nil, err
+	}
+	table := make([]byte, 8*len(regions))
+	for i, r := range regions {
+		v := uint64(uintptr(r))
+		for k := range 8 {
+			table[8*i+k] = byte(v >> (8 * k))
+		}
+	}
+	peers, err := b.drv.MemAlloc(len(table))
+	if err != nil {
+		return nil, err
+	}
+	if err := b.drv.MemcpyHtoD(peers, table); err != nil {
+		_ = b.drv.MemFree(peers)
+		return nil, err
+	}
+	localDev, err := b.drv.MemAlloc(llLocalBytes)
+	if err == nil {
+		err = b.drv.MemsetD8(localDev, 0, llLocalBytes)
+	}
+	if err != nil {
+		_ = b.drv.MemFree(peers)
+		return nil, err
+	}
+	errHost, errDev, err := b.hostAlloc(int(unsafe.Sizeof(llError{})))
+	if err != nil {
+		_ = b.drv.MemFree(peers)
+		_ = b.drv.MemFree(localDev)
+		return nil, err
+	}
+	return &LowLatency{b: b, rank: rank, n: len(regions), bytes: numBytes, base: PtrOf(regions[rank]), peersDev: peers,
+		sharing: max(1, sharing), localDev: localDev, errHost: errHost, errDev: errDev, params: new(llParams)}, nil
+}
+
+// Close frees the engine's table and record once the GPU is done with them.
+func (e *LowLatency) Close() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return nil
+	}
+	e.closed = true
+	b := e.b
+	if err := b.syncDevice(b.timeout); err != nil {
+		return fmt.Errorf("pyep: cuda: closing the buffer's low-latency mode: %w", err)
+	}
+	exit, err := b.Enter()
+	defer exit()
+	if err != nil {
+		return err
+	}
+	return errors.Join(b.drv.MemFree(e.peersDev), b.drv.MemFree(e.localDev), b.drv.MemFreeHost(e.errHost))
+}
+
+// LLCall is one low-latency call's arguments as device addresses (0: absent).
+type LLCall struct {
+	Shape                                                                    lowlatency.Shape
+	NumTokens, NumTopk                                                       int
+	UseFP8, RoundScale, UseUE8M0, ZeroCopy                                   bool
+	X, TopkIdx, TopkWeights                                                  uintptr
+	RecvX, RecvScales, SrcInfo, LayoutRange, Count, CumStats, WaitStats, Out uintptr
+	Stream                                                                   uintptr
+	Hook                                                                     bool // only the send phase now; Recv launches the rest
+}
+
+// LLRecv is the receive phase of a call launched with a hook.
+type LLRecv struct {
+	e      *LowLatency
+	f      Function
+	params llParams
+	opts   NormalOptions
+	done   bool
+}
+
+// failure turns the error record into an error naming the peer, once.
+func (e *LowLatency) failure() error {
+	if e.dead != nil {
+		return e.dead
+	}
+	rec := (*llError)(e.errHost)
+	if rec.code == 0 {
+		return nil
+	}
+	what := map[int32]string{1: "its acknowledgement of the previous call", 2: "its dispatch rows", 3: "its combine rows"}[rec.what]
+	e.dead = fmt.Errorf("pyep: rank %d timed out after %.1f s waiting for rank %d (%s); rank %d is masked on this rank: "+
+		"with enable_shrink, calls go on without it; otherwise call clean_low_latency_buffer on every rank", e.rank,
+		float64(rec.waitedNS)/1e9, rec.peer, what, rec.peer)
+	return e.dead
+}
+
+// Launch queues a dispatch, or a combine, on c.Stream; with c.Hook only its send phase, and
+// the returned LLRecv queues the receive.
+func (e *LowLatency) Launch(combine bool, c *LLCall) (*LLRecv, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if err := e.failure(); err != nil {
+		return nil, err
+	}
+	l, err := lowlatency.NewLayout(e.n, c.Shape)
+	if err != nil {
+		return nil, err
+	}
+	if err := l.Fits(e.bytes); err != nil {
+		return nil, err
+	}
+	exit, err := e.b.Enter()
+	defer exit()
+	if err != nil {
+		return nil, err
+	}
+	h := int(e.calls % 2)
+	if r := e.pending[h]; r != nil && !r.done {
+		return nil, fmt.Errorf("%w: the receive hook of the low-latency call two calls back (same buffer half) has not been "+
+			"called: at most two calls may await their hooks; call that hook first", errInvalidLL)
+	}
+	opts := e.b.kernels.options()
+	name, def, kind := int8(nameLLDispatch), "PYEP_LL_DISPATCH", int8(kindLLDispatch)
+	if combine {
+		name, def, kind = nameLLCombine, "PYEP_LL_COMBINE", kindLLCombine
+	}
+	flags := int32(0)
+	for i, on := range []bool{c.UseFP8, c.RoundScale, c.UseUE8M0} {
+		if on {
+			flags |= 1 << i
+		}
+	}
+	key := kernelKey{kind: kind, name: name, a: int32(c.Shape.Hidden), b: int32(c.NumTopk), c: flags, threads: int32(opts.LowLatencyThreads)}
+	f, err := e.b.kernels.function(e.b, key, "low_latency.cu", func() map[string]string {
+		return map[string]string{def: "", "PYEP_LL_HIDDEN": itoa(c.Shape.Hidden), "PYEP_LL_TOPK": itoa(c.NumTopk),
+			"PYEP_LL_FP8": b2s(c.UseFP8), "PYEP_LL_ROUND": b2s(c.RoundScale), "PYEP_LL_UE8M0": b2s(c.UseUE8M0),
+			"PYEP_LL_THREADS": itoa(opts.LowLatencyThreads)}
+	})
+	if err != nil {
+		return nil, err
+	}
+	e.calls++
+	p := e.params
+	*p = llParams{peers: uint64(e.peersDev), err: uint64(e.errDev), timeoutNS: uint64(e.b.timeout.Nanoseconds()),
+		calls: uint64(e.localDev), counter: uint64(e.localDev) + 16, offAck: uint64(l.Ack(0, 0)), offMask: uint64(l.Mask(0)),
+		offDFlags: uint64(l.DispatchFlags(h)), offCFlags: uint64(l.CombineFlags(h)), offSend: uint64(l.Send(h)),
+		offRecv: uint64(l.Recv(h)), msgBytes: uint64(l.DispatchMsgBytes),
+		x: uint64(c.X), topkIdx: uint64(c.TopkIdx), topkWeights: uint64(c.TopkWeights),
+		recvX: uint64(c.RecvX), recvScales: uint64(c.RecvScales), srcInfo: uint64(c.SrcInfo),
+		layoutRange: uint64(c.LayoutRange), count: uint64(c.Count), cumStats: uint64(c.CumStats),
+		waitStats: uint64(c.WaitStats), out: uint64(c.Out),
+		rank: int32(e.rank), numRanks: int32(e.n), numExperts: int32(c.Shape.NumExperts),
+		maxTokens: int32(c.Shape.MaxTokens), numTokens: int32(c.NumTokens), half: int32(h), phases: llPhaseSend | llPhaseRecv}
+	if c.ZeroCopy {
+		p.zeroCopy = 1
+	}
+	if c.Hook {
+		p.phases = llPhaseSend
+	}
+	s := e.b.WrapStream(c.Stream)
+	if err := e.launch(f, s, p, opts); err != nil {
+		return nil, err
+	}
+	if !c.Hook {
+		e.pending[h] = nil
+		return nil, nil
+	}
+	r := &LLRecv{e: e, f: f, params: *p, opts: opts}
+	r.params.phases = llPhaseRecv
+	e.pending[h] = r
+	return r, nil
+}
+
+func (e *LowLatency) launch(f Function, s Stream, p *llParams, o NormalOptions) error {
+	grid := o.LowLatencyBlocks
+	if grid == 0 {
+		// One block an SM, shared fairly among the ranks on this GPU (MPS runs their kernels at once).
+		sms, err := e.b.dev.Attribute(AttrMultiprocessorCount)
+		if err != nil {
+			return err
+		}
+		grid = max(1, min(32, sms/e.sharing))
+	}
+	if err := f.Launch([3]uint32{uint32(grid), 1, 1}, [3]uint32{uint32(o.LowLatencyThreads), 1, 1}, 0, s, unsafe.Pointer(p)); err != nil {
+		return err
+	}
+	e.b.lastLaunch.Store(monotonicNS())
+	return nil
+}
+
+// Finish launches the receive phase on stream.
+func (r *LLRecv) Finish(stream uintptr) error {
+	e := r.e
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if r.done {
+		return errors.New("the receive hook was already called")
+	}
+	r.done = true
+	if err := e.failure(); err != nil {
+		return err
+	}
+	exit, err := e.b.Enter()
+	defer exit()
+	if err != nil {
+		return err
+	}
+	if e.pending[r.params.half] == r {
+		e.pending[r.params.half] = nil
+	}
+	*e.params = r.params
+	return e.launch(r.f, e.b.WrapStream(stream), e.params, r.opts)
+}
+
+// Clean zeroes this rank's flags, acknowledgements and call counters, and with masks its masks
+// too (the callers pass a barrier before and after), and forgets the recorded failure.
+func (e *LowLatency) Clean(s lowlatency.Shape, masks bool) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	l, err := lowlatency.NewLayout(e.n, s)
+	if err == nil {
+		err = l.Fits(e.bytes)
+	}
+	if err != nil {
+		return err
+	}
+	exit, err := e.b.Enter()
+	defer exit()
+	if err != nil {
+		return err
+	}
+	if err := e.b.drv.CtxSynchronize(); err != nil {
+		return err
+	}
+	zero := [][2]int64{{l.Ack(0, 0), 16 * int64(e.n)}, {l.DispatchFlags(0), 2 * l.FlagBytes}, {l.DispatchFlags(1), 2 * l.FlagBytes}}
+	if masks {
+		zero = append(zero, [2]int64{l.Mask(0), 4 * int64(e.n)})
+	}
+	for _, z := range zero {
+		if err := e.b.drv.MemsetD8(e.base.Add(int(z[0])), 0, int(z[1])); err != nil {
+			return err
+		}
+	}
+	if err := e.b.drv.MemsetD8(e.localDev, 0, llLocalBytes); err != nil {
+		return err
+	}
+	*(*llError)(e.errHost) = llError{}
+	e.dead, e.calls, e.pending = nil, 0, [2]*LLRecv{}
+	return nil
+}
+
+// SetMask masks (or unmasks) rank p on this rank; Masks reads every rank's.
+func (e *LowLatency) SetMask(p int, on bool) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	exit, err := e.b.Enter()
+	defer exit()
+	if err != nil {
+		return err
+	}
+	if err := e.b.drv.CtxSynchronize(); err != nil {
+		return err
+	}
+	v := []byte{0, 0, 0, 0}
+	if on {
+		v[0] = 1
+	}
+	l, _ := lowlatency.NewLayout(e.n, lowlatency.Shape{MaxTokens: 1, Hidden: lowlatency.ScaleBlock, NumExperts: e.n})
+	return e.b.drv.MemcpyHtoD(e.base.Add(int(l.Mask(p))), v)
+}
+
+// Masks reads the masks of every rank (1: masked).
+func (e *LowLatency) Masks(out []int32) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	exit, err := e.b.Enter()
+	defer exit()
+	if err != nil {
+		return err
+	}
+	if err := e.b.drv.CtxSynchronize(); err != nil {
+		return err
+	}
+	l, _ := lowlatency.NewLayout(e.n, lowlatency.Shape{MaxTokens: 1, Hidden: lowlatency.ScaleBlock, NumExperts: e.n})
+	raw := make([]byte, 4*e.n)
+	if err := e.b.drv.MemcpyDtoH(raw, e.base.Add(int(l.Mask(0)))); err != nil {
+		return err
+	}
+	for i := range out {
+		out[i] = int32(uint32(raw[4*i]) | uint32(raw[4*i+1])<<8 | uint32(raw[4*i+2])<<16 | uint32(raw[4*i+3])<<24)
+	}
+	return nil
+}
+
+// errInvalidLL marks a caller's mistake.
+var errInvalidLL = errors.New("invalid argument")
+
+func b2s(v bool) string {
+	if v {
+		return "1"
+	}
+	return "0"
+}
+
+// RanksOnDevice counts the tokens (every rank's, from Sync's handles) of buffers on this GPU.
+func (b *Backend) RanksOnDevice(tokens [][]byte) int {
+	n := 0
+	for _, raw := range tokens {
+		if t, err := decodeToken(raw); err == nil && t.BusID == b.busID {
+			n++
+		}
+	}
+	return n
+}
