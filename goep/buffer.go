@@ -54,6 +54,9 @@ type Buffer struct {
 	// closes them before the memory. Low-latency and internode engines are siblings of normal.
 	engines []Engine
 	normal  NormalEngine
+
+	// Low-latency mode's shared RDMA region and engine (low_latency_mode.go); nil outside it.
+	ll *lowLatency
 }
 
 // NewBuffer validates p as DeepEP's Buffer constructor does and allocates the local NVLink-domain
@@ -92,7 +95,7 @@ func NewBuffer(p Params, backend Backend) (*Buffer, error) {
 		b.peers[topo.NVLRank] = b.local
 	}
 	if p.NumRDMABytes > 0 {
-		if b.rdma, err = backend.AllocateRDMA(p.NumRDMABytes); err != nil {
+		if b.rdma, err = b.allocateRDMA(); err != nil {
 			_ = b.local.Close()
 			return nil, fmt.Errorf("rank %d: allocate %d RDMA-buffer bytes on %s: %w", p.Rank, p.NumRDMABytes, backend.Name(), err)
 		}
@@ -117,15 +120,21 @@ func (b *Buffer) LocalIPCHandle() ([]byte, error) {
 	if b.state == destroyed {
 		return nil, errDestroyed
 	}
-	if b.local == nil {
+	if b.local == nil && b.ll == nil {
 		return nil, nil
 	}
 	return b.localHandle(), nil
 }
 
 func (b *Buffer) localHandle() []byte {
-	return Handle{Backend: b.backend.Name(), Rank: b.topo.Rank, NumRanks: b.topo.NumRanks,
-		Size: b.params.NumNVLBytes, Token: b.local.Token()}.Encode()
+	h := Handle{Backend: b.backend.Name(), Rank: b.topo.Rank, NumRanks: b.topo.NumRanks}
+	if b.local != nil {
+		h.Size, h.Token = b.params.NumNVLBytes, b.local.Token()
+	}
+	if b.ll != nil {
+		h.RDMASize, h.RDMAToken = b.params.NumRDMABytes, b.ll.local.Token()
+	}
+	return h.Encode()
 }
 
 // LocalNVSHMEMUniqueID makes a fresh NVSHMEM-style unique id for the root rank to share. The cpu
@@ -161,9 +170,15 @@ func (b *Buffer) Sync(deviceIDs []int, handles [][]byte, rootUniqueID []byte) er
 			return fmt.Errorf("sync rank %d: %w", b.topo.Rank, err)
 		}
 	}
+	if err := b.openLowLatency(handles); err != nil {
+		b.closePeers()
+		b.closeLowLatencyPeers()
+		return fmt.Errorf("sync rank %d: %w", b.topo.Rank, err)
+	}
 	if b.topo.NumRDMARanks > 1 || b.params.LowLatencyMode {
 		if len(rootUniqueID) != UniqueIDBytes {
 			b.closePeers()
+			b.closeLowLatencyPeers()
 			return Argf("sync rank %d: root_unique_id has %d bytes: expected the %d of get_local_nvshmem_unique_id()", b.topo.Rank, len(rootUniqueID), UniqueIDBytes)
 		}
 		b.rootUniqueID = bytes.Clone(rootUniqueID)
@@ -273,6 +288,7 @@ func (b *Buffer) Destroy() error {
 	// The engines first: their kernels use the memory.
 	errs := []error{b.closeEngines()}
 	b.closePeers()
+	b.closeLowLatencyPeers()
 	if b.local != nil {
 		errs = append(errs, b.local.Close())
 		b.peers[b.topo.NVLRank] = nil

@@ -15,14 +15,20 @@ type Handle struct {
 	NumRanks int
 	Size     int64
 	Token    []byte
+	// The low-latency (RDMA) region's size and token, where the backend shares it on one node
+	// (0 and empty otherwise).
+	RDMASize  int64
+	RDMAToken []byte
 }
 
 var handleMagic = [4]byte{'P', 'Y', 'E', 'P'}
 
 const (
-	handleVersion = 1
-	// handleHeader: magic, version, backend length, rank, num_ranks, size, token length.
+	handleVersion = 2
+	// handleHeader: magic, version, backend length, rank, num_ranks, size, token length; the
+	// backend name and the token follow, then the RDMA size and token length, and the RDMA token.
 	handleHeader  = 4 + 1 + 1 + 4 + 4 + 8 + 2
+	rdmaHeader    = 8 + 2
 	maxTokenBytes = 1024
 )
 
@@ -38,6 +44,9 @@ func (h Handle) Encode() []byte {
 	_ = binary.Write(&b, binary.LittleEndian, uint16(len(h.Token)))
 	b.WriteString(h.Backend)
 	b.Write(h.Token)
+	_ = binary.Write(&b, binary.LittleEndian, uint64(h.RDMASize))
+	_ = binary.Write(&b, binary.LittleEndian, uint16(len(h.RDMAToken)))
+	b.Write(h.RDMAToken)
 	return b.Bytes()
 }
 
@@ -57,10 +66,19 @@ func DecodeHandle(raw []byte) (Handle, error) {
 		Size:     int64(le.Uint64(raw[14:])),
 	}
 	tokenLen := int(le.Uint16(raw[22:]))
-	if tokenLen > maxTokenBytes || len(raw) != handleHeader+backendLen+tokenLen {
+	end := handleHeader + backendLen + tokenLen
+	if tokenLen > maxTokenBytes || len(raw) < end+rdmaHeader {
 		return Handle{}, fmt.Errorf("truncated or padded pyep buffer handle (%d bytes)", len(raw))
 	}
 	h.Backend = string(raw[handleHeader : handleHeader+backendLen])
-	h.Token = bytes.Clone(raw[handleHeader+backendLen:])
+	h.Token = bytes.Clone(raw[handleHeader+backendLen : end])
+	h.RDMASize = int64(le.Uint64(raw[end:]))
+	rdmaLen := int(le.Uint16(raw[end+8:]))
+	if rdmaLen > maxTokenBytes || len(raw) != end+rdmaHeader+rdmaLen {
+		return Handle{}, fmt.Errorf("truncated or padded pyep buffer handle (%d bytes)", len(raw))
+	}
+	if rdmaLen > 0 {
+		h.RDMAToken = bytes.Clone(raw[end+rdmaHeader:])
+	}
 	return h, nil
 }

@@ -12,6 +12,8 @@ func TestHandleRoundTrip(t *testing.T) {
 		{Backend: "cpu", Rank: 3, NumRanks: 4, Size: 1 << 30, Token: []byte("pyep-1-abc")},
 		{Backend: "cuda", Rank: 0, NumRanks: 8, Size: 128, Token: make([]byte, 64)},
 		{Backend: "cpu", Rank: 0, NumRanks: 1, Size: 0, Token: nil},
+		{Backend: "cpu", Rank: 2, NumRanks: 3, Size: 0, Token: nil, RDMASize: 1 << 20, RDMAToken: []byte("pyep-2-ll")},
+		{Backend: "cpu", Rank: 1, NumRanks: 2, Size: 256, Token: []byte("a"), RDMASize: 128, RDMAToken: []byte("b")},
 	} {
 		got, err := DecodeHandle(h.Encode())
 		require.NoError(t, err)

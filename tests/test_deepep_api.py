@@ -90,9 +90,15 @@ EVENT_OVERLAP_ATTRIBUTES = ("event", "extra_tensors")
 
 TABLES = {"Buffer": (pyep.Buffer, BUFFER), "Config": (pyep.Config, CONFIG), "EventOverlap": (pyep.EventOverlap, EVENT_OVERLAP)}
 
-# Low-latency and internode methods, with arguments of the right shape: each raises NotAvailableError naming itself.
+# Internode methods, with arguments of the right shape: each raises NotAvailableError naming itself.
 NOT_YET = {
-    "get_low_latency_rdma_size_hint": lambda b: pyep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256),
+    "internode_dispatch": lambda b: b.internode_dispatch(torch.zeros(4, 128, dtype=torch.bfloat16)),
+    "internode_combine": lambda b: b.internode_combine(torch.zeros(4, 128, dtype=torch.bfloat16), ()),
+}
+# Low-latency methods: on a buffer without low_latency_mode they raise ValueError naming it (cpu backend), and on the
+# cuda backend NotAvailableError naming themselves (its kernels are not written yet). tests/test_low_latency.py runs
+# them.
+LOW_LATENCY = {
     "clean_low_latency_buffer": lambda b: b.clean_low_latency_buffer(128, 7168, 256),
     "low_latency_dispatch": lambda b: b.low_latency_dispatch(torch.zeros(4, 128, dtype=torch.bfloat16),
                                                              torch.zeros(4, 2, dtype=pyep.topk_idx_t), 128, 8),
@@ -102,8 +108,6 @@ NOT_YET = {
     "low_latency_query_mask_buffer": lambda b: b.low_latency_query_mask_buffer(torch.zeros(1, dtype=torch.int32)),
     "low_latency_clean_mask_buffer": lambda b: b.low_latency_clean_mask_buffer(),
     "get_next_low_latency_combine_buffer": lambda b: b.get_next_low_latency_combine_buffer(()),
-    "internode_dispatch": lambda b: b.internode_dispatch(torch.zeros(4, 128, dtype=torch.bfloat16)),
-    "internode_combine": lambda b: b.internode_combine(torch.zeros(4, 128, dtype=torch.bfloat16), ()),
 }
 
 
@@ -183,3 +187,14 @@ def test_not_yet_available_raises_naming_the_method(buffer, name):
     assert name in BUFFER
     with pytest.raises(pyep.NotAvailableError, match=rf"^Buffer\.{name}: .* is not available in pyep yet$"):
         NOT_YET[name](buffer)
+
+
+@pytest.mark.parametrize("name", sorted(LOW_LATENCY))
+def test_low_latency_method_on_a_normal_buffer(buffer, name):
+    assert name in BUFFER
+    if buffer.runtime.backend == "cuda":
+        with pytest.raises(pyep.NotAvailableError, match=rf"^Buffer\.{name}: .* is not available in pyep yet$"):
+            LOW_LATENCY[name](buffer)
+    else:
+        with pytest.raises(ValueError, match=rf"^Buffer\.{name}: the buffer was made with low_latency_mode=False$"):
+            LOW_LATENCY[name](buffer)

@@ -86,6 +86,9 @@ func (e *Engine) maskWord(p int) *atomic.Int32 {
 	return (*atomic.Int32)(at(e.d.Regions[e.d.Rank], e.header.Mask(p)))
 }
 
+// SetTimeout bounds every later wait on a peer.
+func (e *Engine) SetTimeout(d time.Duration) { e.d.Timeout = d }
+
 // Masked reports whether rank p is masked on this rank.
 func (e *Engine) Masked(p int) bool { return e.maskWord(p).Load() != 0 }
 

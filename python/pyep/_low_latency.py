@@ -1,18 +1,87 @@
-"""DeepEP V1's low-latency mode on Buffer: every method with DeepEP's signature, documented as DeepEP's callers use
-it. The mode is not implemented yet: each method raises `pyep.NotAvailableError` (a `pyep.PyepError` and a
-`NotImplementedError`) naming itself, before it looks at its arguments, so that no call is a silent no-op."""
+"""DeepEP V1's low-latency mode on Buffer, every method with DeepEP's signature, names, shapes, dtypes and returns.
+
+On the cpu backend the Go core (goep/lowlatency) moves the tokens through the ranks' shared low-latency buffers
+(num_rdma_bytes); docs/low-latency.md is the synchronization contract. On the cuda backend the kernels do not exist
+yet: each call raises `pyep.NotAvailableError` naming itself. This layer checks the tensors (dtype, shape,
+contiguity, device) with DeepEP's rules, allocates the outputs and passes data addresses to the core."""
+import os
+import warnings
 from typing import Callable, Optional, Tuple, Union
 
 import torch
 
+from . import _core
 from ._core import not_available
-from .utils import EventOverlap
+from .utils import EventHandle, EventOverlap
 
-_LOW_LATENCY = "low-latency mode (IBGDA all-to-all over the RDMA buffer)"
+_LOW_LATENCY = "low-latency mode on the cuda backend (its kernels)"
+# DeepEP's kNumMaxTopK of the low-latency kernels.
+_MAX_TOPK = 11
+
+
+def _check(name: str, t: object, dtype: torch.dtype, shape: Optional[tuple] = None, dims: Optional[int] = None,
+           optional: bool = False) -> None:
+    """Raises TypeError/ValueError naming the argument unless t is a contiguous cpu tensor of dtype (and shape)."""
+    if t is None:
+        if optional:
+            return
+        raise TypeError(f"{name} must be a torch.Tensor, got None")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: dtype {t.dtype}, expected {dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: on {t.device}, expected the cpu backend's device, cpu")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {dims} dimensions")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def _pos_int(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} = {v!r}: expected a positive int")
+    return v
+
+
+def _addr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
 class LowLatencyMixin:
     """Buffer's low-latency methods (see the module's docstring)."""
+
+    def _ll(self, method: str):
+        """The core's id of a buffer whose low-latency calls can run, or the error that says why not."""
+        if self.runtime.backend == "cuda":
+            raise not_available(method, _LOW_LATENCY)
+        if not self.low_latency_mode:
+            raise ValueError(f"Buffer.{method}: the buffer was made with low_latency_mode=False")
+        if not getattr(self, "_ll_timeout_read", False):
+            # The Go core's environment is the process's at start: PYEP_TIMEOUT_S is read here, at the first call.
+            self._ll_timeout_read = True
+            timeout = os.environ.get("PYEP_TIMEOUT_S")
+            if timeout:
+                _core.call("LowLatencyTimeout", self.runtime.id, float(timeout))
+        return self.runtime.id
+
+    def _ll_report(self, method: str) -> None:
+        """Warns about the ranks that did not answer in time and are masked now (enable_shrink)."""
+        ranks = _core.call("LowLatencyTimedOut", self.runtime.id)
+        if ranks:
+            warnings.warn(f"Buffer.{method}: rank(s) {ranks} did not answer within the timeout (PYEP_TIMEOUT_S) and are "
+                          "masked now (see low_latency_query_mask_buffer)", RuntimeWarning, stacklevel=3)
+
+    def _ll_hook(self, method: str, seq: int, keep: tuple) -> Callable[[], None]:
+        """The receive hook of call seq; it keeps the call's tensors alive until it runs."""
+        def hook() -> None:
+            _core.call("LowLatencyReceive", self.runtime.id, seq)
+            del keep[:]
+            self._ll_report(method)
+        keep = list(keep)
+        return hook
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -29,7 +98,9 @@ class LowLatencyMixin:
         Returns:
             size: the bytes of `num_rdma_bytes` to pass to `Buffer(..., low_latency_mode=True)`.
         """
-        raise not_available("get_low_latency_rdma_size_hint", _LOW_LATENCY)
+        return _core.call("LowLatencySizeHint", *(_pos_int(n, v) for n, v in (
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+            ("num_ranks", num_ranks), ("num_experts", num_experts))))
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """
@@ -41,7 +112,11 @@ class LowLatencyMixin:
             hidden: the hidden size of a token.
             num_experts: the number of experts, over all ranks.
         """
-        raise not_available("clean_low_latency_buffer", _LOW_LATENCY)
+        bid = self._ll("clean_low_latency_buffer")
+        _core.call("LowLatencyClean", bid, *(_pos_int(n, v) for n, v in (
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+            ("num_experts", num_experts))))
+        self._ll_report("clean_low_latency_buffer")
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -62,8 +137,8 @@ class LowLatencyMixin:
             num_experts: the number of experts, over all ranks.
             cumulative_local_expert_recv_stats: `[num_local_experts]` with `torch.int`, to which each local expert's
                 received token count is added (load-balance statistics), or None.
-            dispatch_wait_recv_cost_stats: `[num_ranks, num_ranks]` with `torch.int64`, to which the time spent
-                waiting for each rank's tokens is added (finds slow ranks), or None.
+            dispatch_wait_recv_cost_stats: `[num_ranks]` with `torch.int64`, to which the time spent waiting for each
+                rank's tokens is added, in nanoseconds on the cpu backend (finds slow ranks), or None.
             use_fp8: whether tokens travel as FP8 with per-128-channel scales.
             round_scale: whether the scales are rounded to powers of two.
             use_ue8m0: whether the scales travel as UE8M0, four packed in an int (needs `round_scale`).
@@ -82,7 +157,53 @@ class LowLatencyMixin:
             event: the event of the dispatch (set when `async_finish`).
             hook: the receiving hook (with `return_recv_hook`).
         """
-        raise not_available("low_latency_dispatch", _LOW_LATENCY)
+        bid = self._ll("low_latency_dispatch")
+        M, E, R = (_pos_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                   _pos_int("num_experts", num_experts), self.group_size)
+        if E % R:
+            raise ValueError(f"num_experts = {E}: expected a multiple of num_ranks = {R}")
+        _check("x", x, torch.bfloat16, dims=2)
+        T, H = x.shape
+        if H % 128 or H == 0:
+            raise ValueError(f"x: hidden = {H}, expected a positive multiple of 128")
+        if T > M:
+            raise ValueError(f"x: {T} tokens, expected at most num_max_dispatch_tokens_per_rank = {M}")
+        _check("topk_idx", topk_idx, torch.int64, dims=2)
+        if topk_idx.shape[0] != T or not 1 <= topk_idx.shape[1] <= _MAX_TOPK:
+            raise ValueError(f"topk_idx: shape {tuple(topk_idx.shape)}, expected [{T}, num_topk] with 1 <= num_topk <= "
+                             f"{_MAX_TOPK}")
+        L = E // R
+        _check("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32, (L,), optional=True)
+        _check("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, (R,), optional=True)
+        use_fp8, round_scale, use_ue8m0 = bool(use_fp8), bool(round_scale), bool(use_ue8m0) and bool(use_fp8)
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True: UE8M0 scales need round_scale=True")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish=True and return_recv_hook=True: expected at most one of them")
+        recv_x = torch.empty((L, R * M, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        scales = None
+        if use_fp8:
+            # Column-major in the last two dimensions, as DeepEP's (TMA) layout.
+            num_scales = H // 128
+            scales = (torch.empty((L, (num_scales + 3) // 4, R * M), dtype=torch.int32) if use_ue8m0 else
+                      torch.empty((L, num_scales, R * M), dtype=torch.float32)).transpose(1, 2)
+        src_info = torch.empty((L, R * M), dtype=torch.int32)
+        layout_range = torch.empty((L, R), dtype=torch.int64)
+        count = torch.empty((L,), dtype=torch.int32)
+        seq = _core.call("LowLatencyDispatch", bid, M, H, E, T, topk_idx.shape[1], use_fp8, round_scale, use_ue8m0,
+                         bool(return_recv_hook), _addr(x), _addr(topk_idx), _addr(recv_x), _addr(scales),
+                         _addr(src_info), _addr(layout_range), _addr(count), _addr(cumulative_local_expert_recv_stats),
+                         _addr(dispatch_wait_recv_cost_stats))
+        hook = None
+        if return_recv_hook:
+            hook = self._ll_hook("low_latency_dispatch", seq, (x, topk_idx, recv_x, scales, src_info, layout_range,
+                                                                count, cumulative_local_expert_recv_stats,
+                                                                dispatch_wait_recv_cost_stats))
+        else:
+            self._ll_report("low_latency_dispatch")
+        handle = (src_info, layout_range, M, H, E)
+        event = EventOverlap(EventHandle(), (x, topk_idx, recv_x, count)) if async_finish else EventOverlap(None)
+        return (recv_x, scales) if use_fp8 else recv_x, count, handle, event, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -105,15 +226,50 @@ class LowLatencyMixin:
             async_finish: whether to return an event instead of making the current stream wait.
             return_recv_hook: whether to only issue the sends and return a hook that receives.
             out: `[num_combined_tokens, hidden]` with `torch.bfloat16`, written and returned when given.
-            combine_wait_recv_cost_stats: `[num_ranks, num_ranks]` with `torch.int64`, to which the time spent waiting
-                for each rank's rows is added, or None.
+            combine_wait_recv_cost_stats: `[num_ranks]` with `torch.int64`, to which the time spent waiting for each
+                rank's rows is added (nanoseconds on the cpu backend), or None.
 
         Returns:
             combined_x: `[num_combined_tokens, hidden]` with `torch.bfloat16`, the weighted sums.
             event: the event of the combine (set when `async_finish`).
             hook: the receiving hook (with `return_recv_hook`).
         """
-        raise not_available("low_latency_combine", _LOW_LATENCY)
+        bid = self._ll("low_latency_combine")
+        src_info, layout_range, M, H, E = self._ll_handle(handle)
+        R = self.group_size
+        L = E // R
+        if use_logfmt:
+            raise not_available("low_latency_combine", "use_logfmt=True (LogFMT rows)")
+        if zero_copy:
+            if x is not None and not isinstance(x, torch.Tensor):
+                raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        else:
+            _check("x", x, torch.bfloat16, (L, R * M, H))
+        _check("topk_idx", topk_idx, torch.int64, dims=2)
+        T, K = topk_idx.shape
+        if not 1 <= K <= _MAX_TOPK:
+            raise ValueError(f"topk_idx: shape {tuple(topk_idx.shape)}, expected 1 <= num_topk <= {_MAX_TOPK}")
+        if T > M:
+            raise ValueError(f"topk_idx: {T} tokens, expected at most num_max_dispatch_tokens_per_rank = {M}")
+        _check("topk_weights", topk_weights, torch.float32, (T, K))
+        _check("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, (R,), optional=True)
+        if out is None:
+            out = torch.empty((T, H), dtype=torch.bfloat16)
+        else:
+            _check("out", out, torch.bfloat16, (T, H))
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish=True and return_recv_hook=True: expected at most one of them")
+        seq = _core.call("LowLatencyCombine", bid, M, H, E, T, K, bool(zero_copy), bool(return_recv_hook),
+                         0 if zero_copy else _addr(x), _addr(topk_idx), _addr(topk_weights), _addr(src_info),
+                         _addr(layout_range), _addr(out), _addr(combine_wait_recv_cost_stats))
+        hook = None
+        if return_recv_hook:
+            hook = self._ll_hook("low_latency_combine", seq, (x, topk_idx, topk_weights, src_info, layout_range, out,
+                                                               combine_wait_recv_cost_stats))
+        else:
+            self._ll_report("low_latency_combine")
+        event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, out)) if async_finish else EventOverlap(None)
+        return out, event, hook
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """
@@ -124,7 +280,10 @@ class LowLatencyMixin:
             rank_to_mask: the rank.
             mask: True to mask it, False to unmask it.
         """
-        raise not_available("low_latency_update_mask_buffer", _LOW_LATENCY + " with enable_shrink")
+        bid = self._ll("low_latency_update_mask_buffer")
+        if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int):
+            raise TypeError(f"rank_to_mask must be an int, got {type(rank_to_mask).__name__}")
+        _core.call("LowLatencyMask", bid, "low_latency_update_mask_buffer", rank_to_mask, bool(mask), 0)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """
@@ -133,11 +292,14 @@ class LowLatencyMixin:
         Arguments:
             mask_status: `[num_ranks]` with `torch.int`, written with 1 for a masked rank and 0 otherwise.
         """
-        raise not_available("low_latency_query_mask_buffer", _LOW_LATENCY + " with enable_shrink")
+        bid = self._ll("low_latency_query_mask_buffer")
+        _check("mask_status", mask_status, torch.int32, (self.group_size,))
+        _core.call("LowLatencyMask", bid, "low_latency_query_mask_buffer", 0, False, mask_status.data_ptr())
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmasks every rank (needs `enable_shrink=True`)."""
-        raise not_available("low_latency_clean_mask_buffer", _LOW_LATENCY + " with enable_shrink")
+        bid = self._ll("low_latency_clean_mask_buffer")
+        _core.call("LowLatencyMask", bid, "low_latency_clean_mask_buffer", -1, False, 0)
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """
@@ -149,6 +311,27 @@ class LowLatencyMixin:
 
         Returns:
             buffer: `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` with `torch.bfloat16`,
-                a view of the buffer for the caller to fill.
+                a view of the buffer for the caller to fill (contiguous on pyep), valid until the next low-latency call
+                after that combine.
         """
-        raise not_available("get_next_low_latency_combine_buffer", _LOW_LATENCY)
+        bid = self._ll("get_next_low_latency_combine_buffer")
+        _, _, M, H, E = self._ll_handle(handle)
+        offset = _core.call("LowLatencyNextCombineBuffer", bid, M, H, E)
+        R = self.group_size
+        rows = self.get_local_buffer_tensor(torch.bfloat16, offset=offset, use_rdma_buffer=True)
+        return rows[:E * M * H].view(E // R, R * M, H)
+
+    def _ll_handle(self, handle: object) -> tuple:
+        """A low-latency dispatch's handle, checked: (src_info, layout_range, M, hidden, num_experts)."""
+        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+            raise ValueError("handle: expected the 5-tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank, "
+                             "hidden, num_experts) of low_latency_dispatch")
+        src_info, layout_range, M, H, E = handle
+        M, H, E = (_pos_int(f"handle's {n}", v) for n, v in (("num_max_dispatch_tokens_per_rank", M), ("hidden", H),
+                                                              ("num_experts", E)))
+        R = self.group_size
+        if E % R or H % 128:
+            raise ValueError(f"handle: num_experts = {E}, hidden = {H}: expected a multiple of num_ranks = {R} and of 128")
+        _check("handle's src_info", src_info, torch.int32, (E // R, R * M))
+        _check("handle's layout_range", layout_range, torch.int64, (E // R, R))
+        return src_info, layout_range, M, H, E

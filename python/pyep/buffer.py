@@ -81,8 +81,9 @@ class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
         runtime: the Go core's side, with the method names of DeepEP's C++ runtime.
         explicitly_destroy, enable_shrink: the constructor's flags.
 
-    Low-latency mode (`low_latency_dispatch`, ...) and internode normal mode (`internode_dispatch`, ...) have
-    DeepEP's methods and signatures, and raise `pyep.NotAvailableError` until pyep implements them.
+    Low-latency mode (`low_latency_dispatch`, ...) runs on the cpu backend (docs/low-latency.md); on the cuda backend
+    it, and internode normal mode (`internode_dispatch`, ...), have DeepEP's methods and signatures and raise
+    `pyep.NotAvailableError` until pyep implements them.
     """
 
     num_sms: int = 20
@@ -101,7 +102,8 @@ class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
             num_nvl_bytes, num_rdma_bytes, num_qps_per_rank: ints (or anything with `__index__`, e.g. numpy integers).
             num_nvl_bytes: bytes of the intranode buffer, a multiple of 128 (see `Config.get_nvl_buffer_size_hint`).
             num_rdma_bytes: bytes of the RDMA buffer, a multiple of 128; needs more than 8 ranks or low-latency mode.
-            low_latency_mode: whether to enable low-latency mode (its methods are not available yet).
+            low_latency_mode: whether to enable low-latency mode (`low_latency_dispatch`, ...; docs/low-latency.md); on
+                the cpu backend with at most 8 ranks, the RDMA buffers are shared between the ranks.
             num_qps_per_rank: RDMA queue pairs per rank (NVSHMEM/IBGDA), positive.
             allow_nvlink_for_low_latency_mode: whether low-latency traffic may use NVLink (kept for low-latency mode).
             allow_mnnvl: whether an NVLink domain (up to 8 ranks) may span hosts (multi-node NVLink). pyep does not
@@ -151,10 +153,12 @@ class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
         _live.add(self)
         try:
             peers = self._all_gather((self.runtime.get_local_device_id(), _host()))
-            if num_nvl_bytes > 0:
+            # In low-latency mode the RDMA buffer is shared like the NVLink one (its token is in the IPC handle).
+            local_handle = self.runtime.get_local_ipc_handle() or None
+            if local_handle is not None:
                 self._check_hosts([host for _, host in peers], allow_mnnvl)
             device_ids = [device_id for device_id, _ in peers]
-            ipc_handles = self._all_gather(self.runtime.get_local_ipc_handle() if num_nvl_bytes > 0 else None)
+            ipc_handles = self._all_gather(local_handle)
             root_unique_id = None
             if self.runtime.get_num_rdma_ranks() > 1 or low_latency_mode:
                 if num_qps_per_rank <= 0:
