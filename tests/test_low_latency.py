@@ -275,7 +275,8 @@ def test_largest_token_count_and_beyond(group, rank, num_ranks):
 
 def test_low_latency_after_normal_mode(group, rank, num_ranks):
     R, E, M, H = num_ranks, 2 * num_ranks, 4, 128
-    buffer = pyep.Buffer(group, num_nvl_bytes=1 << 22, low_latency_mode=True,
+    nvl_bytes = pyep.Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R)
+    buffer = pyep.Buffer(group, num_nvl_bytes=max(nvl_bytes, 1 << 22), low_latency_mode=True,
                          num_rdma_bytes=pyep.Buffer.get_low_latency_rdma_size_hint(M, H, R, E), explicitly_destroy=True)
     try:
         inp = make_inputs(50, R, [M] * R, H, E, 2)
