@@ -27,12 +27,18 @@ type lowLatency struct {
 	timeout time.Duration
 	// hooks holds the receives that await their hook, by the call's seq.
 	hooks map[uint32]*lowlatency.Recv
+
+	// On a device (LowLatencyEngines) the backend's engine runs the calls instead of engine;
+	// calls numbers them (since the last clean) and deviceHooks keeps their hooks' receives.
+	device      DeviceLowLatency
+	calls       uint32
+	deviceHooks map[uint32]LLReceive
 }
 
 // sharesLowLatency: whether this buffer's RDMA region is the shared low-latency region.
 func (b *Buffer) sharesLowLatency() bool {
 	p := b.params
-	return p.LowLatencyMode && p.NumRDMABytes > 0 && b.topo.NumRDMARanks == 1 && b.backend.DeviceID() < 0
+	return p.LowLatencyMode && p.NumRDMABytes > 0 && b.topo.NumRDMARanks == 1
 }
 
 // allocateRDMA makes the RDMA region: shared with the peers in low-latency mode on one node.
@@ -45,7 +51,7 @@ func (b *Buffer) allocateRDMA() (RDMARegion, error) {
 		return nil, err
 	}
 	b.ll = &lowLatency{local: r, peers: make([]Region, b.topo.NumRanks), timeout: OpTimeout(),
-		hooks: map[uint32]*lowlatency.Recv{}}
+		hooks: map[uint32]*lowlatency.Recv{}, deviceHooks: map[uint32]LLReceive{}}
 	b.ll.peers[b.topo.Rank] = r
 	return r, nil
 }
@@ -94,6 +100,20 @@ func (b *Buffer) openLowLatency(handles [][]byte) error {
 		}
 		regions[r] = ll.peers[r].Data()
 	}
+	if maker, ok := b.backend.(LowLatencyEngines); ok {
+		tokens := make([][]byte, t.NumRanks)
+		for r := range tokens {
+			tokens[r] = decoded[r].RDMAToken
+		}
+		tokens[t.Rank] = ll.local.Token()
+		d, err := maker.NewLowLatencyEngine(t.Rank, regions, b.params.NumRDMABytes, tokens)
+		if err != nil {
+			return err
+		}
+		d.SetTimeout(ll.timeout)
+		ll.device = d
+		return nil
+	}
 	e, err := lowlatency.NewEngine(lowlatency.Domain{Rank: t.Rank, NumRanks: t.NumRanks, Regions: regions,
 		NumBytes: b.params.NumRDMABytes, Timeout: ll.timeout, Shrink: b.params.EnableShrink})
 	ll.engine = e
@@ -104,6 +124,11 @@ func (b *Buffer) openLowLatency(handles [][]byte) error {
 func (b *Buffer) closeLowLatencyPeers() {
 	if b.ll == nil {
 		return
+	}
+	if b.ll.device != nil {
+		// The engine waits for the device's work on the regions before they are unmapped.
+		_ = b.ll.device.Close()
+		b.ll.device = nil
 	}
 	for r, p := range b.ll.peers {
 		if p != nil && r != b.topo.Rank {
@@ -133,7 +158,7 @@ func (b *Buffer) lowLatency(op string) (*lowLatency, error) {
 		return nil, Argf("%s: the buffer was made with low_latency_mode=False", op)
 	case b.params.NumRDMABytes == 0:
 		return nil, Argf("%s: low-latency mode needs num_rdma_bytes > 0 (see Buffer.get_low_latency_rdma_size_hint)", op)
-	case b.ll == nil || b.ll.engine == nil:
+	case b.ll == nil || b.ll.engine == nil && b.ll.device == nil:
 		return nil, fmt.Errorf("%s: low-latency mode is not available on the %s backend with %d ranks", op, b.backend.Name(), b.topo.NumRanks)
 	}
 	b.ll.mu.Lock()
@@ -161,6 +186,7 @@ type LLDispatchArgs struct {
 	UseFP8, RoundScale, UseUE8M0, Hook                         bool
 	X, TopkIdx, RecvX, RecvScales, SrcInfo, LayoutRange, Count uintptr
 	CumStats, WaitStats                                        uintptr
+	Stream                                                     uintptr // the caller's (device engines)
 }
 
 // LowLatencyDispatch runs a dispatch's send phase and, without Hook, its receive; with Hook it
@@ -176,6 +202,16 @@ func (b *Buffer) LowLatencyDispatch(a *LLDispatchArgs) (uint32, error) {
 		return 0, Argf("low_latency_dispatch: num_experts = %d: expected a positive multiple of num_ranks = %d", a.NumExperts, R)
 	}
 	L, RM := a.NumExperts/R, R*a.MaxTokens
+	shape := lowlatency.Shape{MaxTokens: a.MaxTokens, Hidden: H, NumExperts: a.NumExperts}
+	if ll.device != nil {
+		if err := checkDeviceCall(R, shape, T, K, a.UseFP8, a.RoundScale, a.UseUE8M0); err != nil {
+			return 0, err
+		}
+		return ll.launchDevice(false, &LLCall{Shape: shape, NumTokens: T, NumTopk: K, UseFP8: a.UseFP8, RoundScale: a.RoundScale,
+			UseUE8M0: a.UseUE8M0, Hook: a.Hook, X: a.X, TopkIdx: a.TopkIdx, RecvX: a.RecvX, RecvScales: a.RecvScales,
+			SrcInfo: a.SrcInfo, LayoutRange: a.LayoutRange, Count: a.Count, CumStats: a.CumStats, WaitStats: a.WaitStats,
+			Stream: a.Stream})
+	}
 	rowBytes, words := 2*H, 0
 	if a.UseFP8 {
 		rowBytes, words = H, H/lowlatency.ScaleBlock
@@ -211,13 +247,22 @@ func (ll *lowLatency) finish(recv *lowlatency.Recv, hook bool, err error) (uint3
 	return recv.Seq(), llErr(recv.Finish())
 }
 
-// LowLatencyReceive is the hook of call seq: it waits for and finishes its receive.
-func (b *Buffer) LowLatencyReceive(seq uint32) error {
+// LowLatencyReceive is the hook of call seq: it waits for and finishes its receive (on a device,
+// queues it on stream).
+func (b *Buffer) LowLatencyReceive(seq uint32, stream uintptr) error {
 	ll, err := b.lowLatency("hook")
 	if err != nil {
 		return err
 	}
 	defer ll.mu.Unlock()
+	if ll.device != nil {
+		recv, ok := ll.deviceHooks[seq]
+		if !ok {
+			return Argf("hook: low-latency call %d has no receive waiting: its hook ran already, or clean_low_latency_buffer ran since", seq)
+		}
+		delete(ll.deviceHooks, seq)
+		return llErr(recv.Finish(stream))
+	}
 	recv, ok := ll.hooks[seq]
 	if !ok {
 		return Argf("hook: low-latency call %d has no receive waiting: its hook ran already, or clean_low_latency_buffer ran since", seq)
@@ -233,6 +278,7 @@ type LLCombineArgs struct {
 	ZeroCopy, Hook                                    bool
 	X, TopkIdx, TopkWeights, SrcInfo, LayoutRange     uintptr
 	Out, WaitStats                                    uintptr
+	Stream                                            uintptr // the caller's (device engines)
 }
 
 // LowLatencyCombine runs a combine's send phase and, without Hook, its receive.
@@ -247,6 +293,15 @@ func (b *Buffer) LowLatencyCombine(a *LLCombineArgs) (uint32, error) {
 		return 0, Argf("low_latency_combine: num_experts = %d: expected a positive multiple of num_ranks = %d", a.NumExperts, R)
 	}
 	L, RM := a.NumExperts/R, R*a.MaxTokens
+	if ll.device != nil {
+		shape := lowlatency.Shape{MaxTokens: a.MaxTokens, Hidden: H, NumExperts: a.NumExperts}
+		if err := checkDeviceCall(R, shape, T, K, false, false, false); err != nil {
+			return 0, err
+		}
+		return ll.launchDevice(true, &LLCall{Shape: shape, NumTokens: T, NumTopk: K, ZeroCopy: a.ZeroCopy, Hook: a.Hook,
+			X: a.X, TopkIdx: a.TopkIdx, TopkWeights: a.TopkWeights, SrcInfo: a.SrcInfo, LayoutRange: a.LayoutRange,
+			Out: a.Out, WaitStats: a.WaitStats, Stream: a.Stream})
+	}
 	op := &lowlatency.CombineArgs{Shape: lowlatency.Shape{MaxTokens: a.MaxTokens, Hidden: H, NumExperts: a.NumExperts},
 		NumTokens: T, NumTopk: K, ZeroCopy: a.ZeroCopy, X: view[uint16](a.X, L*RM*H),
 		SrcInfo: view[int32](a.SrcInfo, L*RM), LayoutRange: view[int64](a.LayoutRange, L*R),
@@ -275,7 +330,14 @@ func (b *Buffer) LowLatencyClean(maxTokens, hidden, numExperts int) error {
 	}
 	defer ll.mu.Unlock()
 	clear(ll.hooks)
-	return llErr(ll.engine.Clean(lowlatency.Shape{MaxTokens: maxTokens, Hidden: hidden, NumExperts: numExperts}))
+	shape := lowlatency.Shape{MaxTokens: maxTokens, Hidden: hidden, NumExperts: numExperts}
+	if ll.device != nil {
+		// Without enable_shrink a mask only marks a peer that timed out: clean forgets it too.
+		clear(ll.deviceHooks)
+		ll.calls = 0
+		return llErr(ll.device.Clean(shape, !b.params.EnableShrink))
+	}
+	return llErr(ll.engine.Clean(shape))
 }
 
 // LowLatencyNextCombineBuffer is the offset in the RDMA buffer of the rows [L][R*M][H] bf16
@@ -286,7 +348,12 @@ func (b *Buffer) LowLatencyNextCombineBuffer(maxTokens, hidden, numExperts int) 
 		return 0, err
 	}
 	defer ll.mu.Unlock()
-	off, err := ll.engine.NextCombineBuffer(lowlatency.Shape{MaxTokens: maxTokens, Hidden: hidden, NumExperts: numExperts})
+	shape := lowlatency.Shape{MaxTokens: maxTokens, Hidden: hidden, NumExperts: numExperts}
+	if ll.device != nil {
+		off, err := ll.device.NextSend(shape)
+		return off, llErr(err)
+	}
+	off, err := ll.engine.NextCombineBuffer(shape)
 	return off, llErr(err)
 }
 
@@ -302,6 +369,10 @@ func (b *Buffer) SetLowLatencyTimeout(d time.Duration) error {
 		return Argf("PYEP_TIMEOUT_S: %v, expected a positive number of seconds", d)
 	}
 	ll.timeout = d
+	if ll.device != nil {
+		ll.device.SetTimeout(d)
+		return nil
+	}
 	ll.engine.SetTimeout(d)
 	return nil
 }
@@ -313,6 +384,9 @@ func (b *Buffer) LowLatencyTimedOut() ([]int, error) {
 		return nil, err
 	}
 	defer ll.mu.Unlock()
+	if ll.device != nil {
+		return nil, nil // a device engine masks the peer; low_latency_query_mask_buffer shows it
+	}
 	return ll.engine.TimedOut(), nil
 }
 
@@ -327,6 +401,23 @@ func (b *Buffer) LowLatencyMask(op string, rank int, mask bool, query uintptr) e
 		return err
 	}
 	defer ll.mu.Unlock()
+	if ll.device != nil {
+		// query is host memory here: the Python layer copies it to the caller's tensor.
+		switch {
+		case query != 0:
+			return llErr(ll.device.Masks(view[int32](query, b.topo.NumRanks)))
+		case rank == -1:
+			for p := range b.topo.NumRanks {
+				if err := ll.device.SetMask(p, false); err != nil {
+					return err
+				}
+			}
+			return nil
+		case rank < 0 || rank >= b.topo.NumRanks:
+			return Argf("rank_to_mask = %d: expected 0 <= rank_to_mask < num_ranks = %d", rank, b.topo.NumRanks)
+		}
+		return llErr(ll.device.SetMask(rank, mask))
+	}
 	switch {
 	case query != 0:
 		ll.engine.Masks(view[int32](query, b.topo.NumRanks))

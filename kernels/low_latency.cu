@@ -455,7 +455,7 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
         for (int k = 0; k < kTopk; k++) {
             g[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
             w[k] = ld_nc(wts + static_cast<i64>(t) * kTopk + k);
-            if (g[k] >= 0 && masked(p, static_cast<int>(g[k] / L))) g[k] = -1;
+            if (g[k] >= E || (g[k] >= 0 && masked(p, static_cast<int>(g[k] / L)))) g[k] = -1;
         }
         for (int c = lane * 8; c < kHidden; c += 256) {
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};

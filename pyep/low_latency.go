@@ -21,7 +21,7 @@ func LowLatencySizeHint(maxTokens, hidden, numRanks, numExperts int) (n int64, e
 // call's seq (for LowLatencyReceive).
 func LowLatencyDispatch(id int64, maxTokens, hidden, numExperts, numTokens, numTopk int,
 	useFP8, roundScale, useUE8M0, hook bool,
-	x, topkIdx, recvX, recvScales, srcInfo, layoutRange, count, cumStats, waitStats uintptr) (seq int64, err error) {
+	x, topkIdx, recvX, recvScales, srcInfo, layoutRange, count, cumStats, waitStats, stream uintptr) (seq int64, err error) {
 	defer guard("LowLatencyDispatch", &err)
 	b, err := lookup(id)
 	if err != nil {
@@ -30,13 +30,13 @@ func LowLatencyDispatch(id int64, maxTokens, hidden, numExperts, numTokens, numT
 	s, err := b.LowLatencyDispatch(&goep.LLDispatchArgs{MaxTokens: maxTokens, Hidden: hidden, NumExperts: numExperts,
 		NumTokens: numTokens, NumTopk: numTopk, UseFP8: useFP8, RoundScale: roundScale, UseUE8M0: useUE8M0, Hook: hook,
 		X: x, TopkIdx: topkIdx, RecvX: recvX, RecvScales: recvScales, SrcInfo: srcInfo, LayoutRange: layoutRange,
-		Count: count, CumStats: cumStats, WaitStats: waitStats})
+		Count: count, CumStats: cumStats, WaitStats: waitStats, Stream: stream})
 	return int64(s), err
 }
 
 // LowLatencyCombine runs low_latency_combine; with hook only its send phase.
 func LowLatencyCombine(id int64, maxTokens, hidden, numExperts, numTokens, numTopk int, zeroCopy, hook bool,
-	x, topkIdx, topkWeights, srcInfo, layoutRange, out, waitStats uintptr) (seq int64, err error) {
+	x, topkIdx, topkWeights, srcInfo, layoutRange, out, waitStats, stream uintptr) (seq int64, err error) {
 	defer guard("LowLatencyCombine", &err)
 	b, err := lookup(id)
 	if err != nil {
@@ -44,18 +44,18 @@ func LowLatencyCombine(id int64, maxTokens, hidden, numExperts, numTokens, numTo
 	}
 	s, err := b.LowLatencyCombine(&goep.LLCombineArgs{MaxTokens: maxTokens, Hidden: hidden, NumExperts: numExperts,
 		NumTokens: numTokens, NumTopk: numTopk, ZeroCopy: zeroCopy, Hook: hook, X: x, TopkIdx: topkIdx,
-		TopkWeights: topkWeights, SrcInfo: srcInfo, LayoutRange: layoutRange, Out: out, WaitStats: waitStats})
+		TopkWeights: topkWeights, SrcInfo: srcInfo, LayoutRange: layoutRange, Out: out, WaitStats: waitStats, Stream: stream})
 	return int64(s), err
 }
 
-// LowLatencyReceive is the receive hook of call seq.
-func LowLatencyReceive(id, seq int64) (err error) {
+// LowLatencyReceive is the receive hook of call seq (on cuda, queued on stream).
+func LowLatencyReceive(id, seq int64, stream uintptr) (err error) {
 	defer guard("LowLatencyReceive", &err)
 	b, err := lookup(id)
 	if err != nil {
 		return err
 	}
-	return b.LowLatencyReceive(uint32(seq))
+	return b.LowLatencyReceive(uint32(seq), stream)
 }
 
 // LowLatencyTimedOut is the space-separated ranks masked since the last call because they did

@@ -95,9 +95,8 @@ NOT_YET = {
     "internode_dispatch": lambda b: b.internode_dispatch(torch.zeros(4, 128, dtype=torch.bfloat16)),
     "internode_combine": lambda b: b.internode_combine(torch.zeros(4, 128, dtype=torch.bfloat16), ()),
 }
-# Low-latency methods: on a buffer without low_latency_mode they raise ValueError naming it (cpu backend), and on the
-# cuda backend NotAvailableError naming themselves (its kernels are not written yet). tests/test_low_latency.py runs
-# them.
+# Low-latency methods: on a buffer without low_latency_mode they raise ValueError naming the method, on every backend.
+# tests/test_low_latency.py runs them.
 LOW_LATENCY = {
     "clean_low_latency_buffer": lambda b: b.clean_low_latency_buffer(128, 7168, 256),
     "low_latency_dispatch": lambda b: b.low_latency_dispatch(torch.zeros(4, 128, dtype=torch.bfloat16),
@@ -192,9 +191,5 @@ def test_not_yet_available_raises_naming_the_method(buffer, name):
 @pytest.mark.parametrize("name", sorted(LOW_LATENCY))
 def test_low_latency_method_on_a_normal_buffer(buffer, name):
     assert name in BUFFER
-    if buffer.runtime.backend == "cuda":
-        with pytest.raises(pyep.NotAvailableError, match=rf"^Buffer\.{name}: .* is not available in pyep yet$"):
-            LOW_LATENCY[name](buffer)
-    else:
-        with pytest.raises(ValueError, match=rf"^Buffer\.{name}: the buffer was made with low_latency_mode=False$"):
-            LOW_LATENCY[name](buffer)
+    with pytest.raises(ValueError, match=rf"^Buffer\.{name}: the buffer was made with low_latency_mode=False$"):
+        LOW_LATENCY[name](buffer)

@@ -4,8 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 	"unsafe"
 
+	"github.com/pyep/pyep/goep"
 	"github.com/pyep/pyep/goep/lowlatency"
 )
 
@@ -58,6 +60,7 @@ type LowLatency struct {
 	base     DevicePtr // this rank's region
 	peersDev DevicePtr // u64 [n]: every rank's region as mapped here
 	sharing  int       // ranks on this GPU
+	timeout  time.Duration
 	localDev DevicePtr // llLocalBytes: the kernels' own counters
 	errHost  unsafe.Pointer
 	errDev   DevicePtr
@@ -107,7 +110,7 @@ func (b *Backend) NewLowLatency(rank int, regions []unsafe.Pointer, numBytes int
 		return nil, err
 	}
 	return &LowLatency{b: b, rank: rank, n: len(regions), bytes: numBytes, base: PtrOf(regions[rank]), peersDev: peers,
-		sharing: max(1, sharing), localDev: localDev, errHost: errHost, errDev: errDev, params: new(llParams)}, nil
+		sharing: max(1, sharing), timeout: b.timeout, localDev: localDev, errHost: errHost, errDev: errDev, params: new(llParams)}, nil
 }
 
 // Close frees the engine's table and record once the GPU is done with them.
@@ -128,17 +131,6 @@ func (e *LowLatency) Close() error {
 		return err
 	}
 	return errors.Join(b.drv.MemFree(e.peersDev), b.drv.MemFree(e.localDev), b.drv.MemFreeHost(e.errHost))
-}
-
-// LLCall is one low-latency call's arguments as device addresses (0: absent).
-type LLCall struct {
-	Shape                                                                    lowlatency.Shape
-	NumTokens, NumTopk                                                       int
-	UseFP8, RoundScale, UseUE8M0, ZeroCopy                                   bool
-	X, TopkIdx, TopkWeights                                                  uintptr
-	RecvX, RecvScales, SrcInfo, LayoutRange, Count, CumStats, WaitStats, Out uintptr
-	Stream                                                                   uintptr
-	Hook                                                                     bool // only the send phase now; Recv launches the rest
 }
 
 // LLRecv is the receive phase of a call launched with a hook.
@@ -168,7 +160,7 @@ func (e *LowLatency) failure() error {
 
 // Launch queues a dispatch, or a combine, on c.Stream; with c.Hook only its send phase, and
 // the returned LLRecv queues the receive.
-func (e *LowLatency) Launch(combine bool, c *LLCall) (*LLRecv, error) {
+func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if err := e.failure(); err != nil {
@@ -213,7 +205,7 @@ func (e *LowLatency) Launch(combine bool, c *LLCall) (*LLRecv, error) {
 	}
 	e.calls++
 	p := e.params
-	*p = llParams{peers: uint64(e.peersDev), err: uint64(e.errDev), timeoutNS: uint64(e.b.timeout.Nanoseconds()),
+	*p = llParams{peers: uint64(e.peersDev), err: uint64(e.errDev), timeoutNS: uint64(e.timeout.Nanoseconds()),
 		calls: uint64(e.localDev), counter: uint64(e.localDev) + 16, offAck: uint64(l.Ack(0, 0)), offMask: uint64(l.Mask(0)),
 		offDFlags: uint64(l.DispatchFlags(h)), offCFlags: uint64(l.CombineFlags(h)), offSend: uint64(l.Send(h)),
 		offRecv: uint64(l.Recv(h)), msgBytes: uint64(l.DispatchMsgBytes),
@@ -383,4 +375,34 @@ func (b *Backend) RanksOnDevice(tokens [][]byte) int {
 		}
 	}
 	return n
+}
+
+var _ goep.LowLatencyEngines = (*Backend)(nil)
+
+// NewLowLatencyEngine implements goep.LowLatencyEngines.
+func (b *Backend) NewLowLatencyEngine(rank int, regions []unsafe.Pointer, numBytes int64, tokens [][]byte) (goep.DeviceLowLatency, error) {
+	return b.NewLowLatency(rank, regions, numBytes, b.RanksOnDevice(tokens))
+}
+
+// SetTimeout bounds the waits of the calls queued from now on.
+func (e *LowLatency) SetTimeout(d time.Duration) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if d > 0 {
+		e.timeout = d
+	}
+}
+
+// NextSend is the offset of the next call's send area (the rows of a zero-copy combine).
+func (e *LowLatency) NextSend(s lowlatency.Shape) (int64, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	l, err := lowlatency.NewLayout(e.n, s)
+	if err == nil {
+		err = l.Fits(e.bytes)
+	}
+	if err != nil {
+		return 0, err
+	}
+	return l.Send(int(e.calls % 2)), nil
 }

@@ -1,27 +1,31 @@
 """DeepEP V1's low-latency mode on Buffer, every method with DeepEP's signature, names, shapes, dtypes and returns.
 
-On the cpu backend the Go core (goep/lowlatency) moves the tokens through the ranks' shared low-latency buffers
-(num_rdma_bytes); docs/low-latency.md is the synchronization contract. On the cuda backend the kernels do not exist
-yet: each call raises `pyep.NotAvailableError` naming itself. This layer checks the tensors (dtype, shape,
-contiguity, device) with DeepEP's rules, allocates the outputs and passes data addresses to the core."""
+The ranks' low-latency buffers (num_rdma_bytes) are shared on one node: on the cpu backend the Go core
+(goep/lowlatency) moves the tokens through them; on the cuda backend the kernels of kernels/low_latency.cu do, queued
+on the current stream (CUDA-graph safe). docs/low-latency.md is the synchronization contract. This layer checks the
+tensors (dtype, shape, contiguity, device) with DeepEP's rules, allocates the outputs and passes data addresses to
+the core."""
 import os
 import warnings
 from typing import Callable, Optional, Tuple, Union
 
 import torch
 
+import torch.distributed as dist
+
 from . import _core
 from ._core import not_available
 from .utils import EventHandle, EventOverlap
 
-_LOW_LATENCY = "low-latency mode on the cuda backend (its kernels)"
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # DeepEP's kNumMaxTopK of the low-latency kernels.
 _MAX_TOPK = 11
 
 
 def _check(name: str, t: object, dtype: torch.dtype, shape: Optional[tuple] = None, dims: Optional[int] = None,
-           optional: bool = False) -> None:
-    """Raises TypeError/ValueError naming the argument unless t is a contiguous cpu tensor of dtype (and shape)."""
+           optional: bool = False, device: torch.device = torch.device("cpu")) -> None:
+    """Raises TypeError/ValueError naming the argument unless t is a contiguous tensor of dtype (and shape) on the
+    buffer's device."""
     if t is None:
         if optional:
             return
@@ -30,8 +34,8 @@ def _check(name: str, t: object, dtype: torch.dtype, shape: Optional[tuple] = No
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
         raise ValueError(f"{name}: dtype {t.dtype}, expected {dtype}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name}: on {t.device}, expected the cpu backend's device, cpu")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected the buffer's device, {device}")
     if dims is not None and t.dim() != dims:
         raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {dims} dimensions")
     if shape is not None and tuple(t.shape) != tuple(shape):
@@ -55,8 +59,6 @@ class LowLatencyMixin:
 
     def _ll(self, method: str):
         """The core's id of a buffer whose low-latency calls can run, or the error that says why not."""
-        if self.runtime.backend == "cuda":
-            raise not_available(method, _LOW_LATENCY)
         if not self.low_latency_mode:
             raise ValueError(f"Buffer.{method}: the buffer was made with low_latency_mode=False")
         if not getattr(self, "_ll_timeout_read", False):
@@ -74,10 +76,24 @@ class LowLatencyMixin:
             warnings.warn(f"Buffer.{method}: rank(s) {ranks} did not answer within the timeout (PYEP_TIMEOUT_S) and are "
                           "masked now (see low_latency_query_mask_buffer)", RuntimeWarning, stacklevel=3)
 
+    def _ll_stream(self) -> int:
+        """The current stream, where the cuda backend queues a call (0 on cpu)."""
+        return _current_stream(self._device_index) if self._cuda else 0
+
+    def _ll_event(self, tensors: tuple) -> EventOverlap:
+        """async_finish's event: recorded on the current stream after the call's kernels (complete on cpu)."""
+        return EventOverlap(EventHandle(device=self._device if self._cuda else None), tensors)
+
     def _ll_hook(self, method: str, seq: int, keep: tuple) -> Callable[[], None]:
-        """The receive hook of call seq; it keeps the call's tensors alive until it runs."""
+        """The receive hook of call seq; it keeps the call's tensors alive until it runs (on cuda, until the current
+        stream has run the receive)."""
         def hook() -> None:
-            _core.call("LowLatencyReceive", self.runtime.id, seq)
+            _core.call("LowLatencyReceive", self.runtime.id, seq, self._ll_stream())
+            if self._cuda:
+                stream = torch.cuda.current_stream(self._device)
+                for t in keep:
+                    if isinstance(t, torch.Tensor):
+                        t.record_stream(stream)
             del keep[:]
             self._ll_report(method)
         keep = list(keep)
@@ -113,9 +129,18 @@ class LowLatencyMixin:
             num_experts: the number of experts, over all ranks.
         """
         bid = self._ll("clean_low_latency_buffer")
-        _core.call("LowLatencyClean", bid, *(_pos_int(n, v) for n, v in (
+        sizes = tuple(_pos_int(n, v) for n, v in (
             ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
-            ("num_experts", num_experts))))
+            ("num_experts", num_experts)))
+        if self._cuda:
+            # Every rank's kernels are done before any rank zeroes its flags, and every rank has zeroed them before
+            # any rank's next call writes to it (the cpu engine passes these barriers in the shared buffers).
+            torch.cuda.synchronize(self._device)
+            dist.barrier(self.group)
+            _core.call("LowLatencyClean", bid, *sizes)
+            dist.barrier(self.group)
+        else:
+            _core.call("LowLatencyClean", bid, *sizes)
         self._ll_report("clean_low_latency_buffer")
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -138,7 +163,7 @@ class LowLatencyMixin:
             cumulative_local_expert_recv_stats: `[num_local_experts]` with `torch.int`, to which each local expert's
                 received token count is added (load-balance statistics), or None.
             dispatch_wait_recv_cost_stats: `[num_ranks]` with `torch.int64`, to which the time spent waiting for each
-                rank's tokens is added, in nanoseconds on the cpu backend (finds slow ranks), or None.
+                rank's tokens is added, in nanoseconds (finds slow ranks), or None.
             use_fp8: whether tokens travel as FP8 with per-128-channel scales.
             round_scale: whether the scales are rounded to powers of two.
             use_ue8m0: whether the scales travel as UE8M0, four packed in an int (needs `round_scale`).
@@ -162,38 +187,41 @@ class LowLatencyMixin:
                    _pos_int("num_experts", num_experts), self.group_size)
         if E % R:
             raise ValueError(f"num_experts = {E}: expected a multiple of num_ranks = {R}")
-        _check("x", x, torch.bfloat16, dims=2)
+        dev = self._device
+        _check("x", x, torch.bfloat16, dims=2, device=dev)
         T, H = x.shape
         if H % 128 or H == 0:
             raise ValueError(f"x: hidden = {H}, expected a positive multiple of 128")
         if T > M:
             raise ValueError(f"x: {T} tokens, expected at most num_max_dispatch_tokens_per_rank = {M}")
-        _check("topk_idx", topk_idx, torch.int64, dims=2)
+        _check("topk_idx", topk_idx, torch.int64, dims=2, device=dev)
         if topk_idx.shape[0] != T or not 1 <= topk_idx.shape[1] <= _MAX_TOPK:
             raise ValueError(f"topk_idx: shape {tuple(topk_idx.shape)}, expected [{T}, num_topk] with 1 <= num_topk <= "
                              f"{_MAX_TOPK}")
         L = E // R
-        _check("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32, (L,), optional=True)
-        _check("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, (R,), optional=True)
+        _check("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32, (L,), optional=True,
+               device=dev)
+        _check("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, (R,), optional=True,
+               device=dev)
         use_fp8, round_scale, use_ue8m0 = bool(use_fp8), bool(round_scale), bool(use_ue8m0) and bool(use_fp8)
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0=True: UE8M0 scales need round_scale=True")
         if async_finish and return_recv_hook:
             raise ValueError("async_finish=True and return_recv_hook=True: expected at most one of them")
-        recv_x = torch.empty((L, R * M, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        recv_x = torch.empty((L, R * M, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=dev)
         scales = None
         if use_fp8:
             # Column-major in the last two dimensions, as DeepEP's (TMA) layout.
             num_scales = H // 128
-            scales = (torch.empty((L, (num_scales + 3) // 4, R * M), dtype=torch.int32) if use_ue8m0 else
-                      torch.empty((L, num_scales, R * M), dtype=torch.float32)).transpose(1, 2)
-        src_info = torch.empty((L, R * M), dtype=torch.int32)
-        layout_range = torch.empty((L, R), dtype=torch.int64)
-        count = torch.empty((L,), dtype=torch.int32)
+            scales = (torch.empty((L, (num_scales + 3) // 4, R * M), dtype=torch.int32, device=dev) if use_ue8m0 else
+                      torch.empty((L, num_scales, R * M), dtype=torch.float32, device=dev)).transpose(1, 2)
+        src_info = torch.empty((L, R * M), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((L, R), dtype=torch.int64, device=dev)
+        count = torch.empty((L,), dtype=torch.int32, device=dev)
         seq = _core.call("LowLatencyDispatch", bid, M, H, E, T, topk_idx.shape[1], use_fp8, round_scale, use_ue8m0,
                          bool(return_recv_hook), _addr(x), _addr(topk_idx), _addr(recv_x), _addr(scales),
                          _addr(src_info), _addr(layout_range), _addr(count), _addr(cumulative_local_expert_recv_stats),
-                         _addr(dispatch_wait_recv_cost_stats))
+                         _addr(dispatch_wait_recv_cost_stats), self._ll_stream())
         hook = None
         if return_recv_hook:
             hook = self._ll_hook("low_latency_dispatch", seq, (x, topk_idx, recv_x, scales, src_info, layout_range,
@@ -202,7 +230,7 @@ class LowLatencyMixin:
         else:
             self._ll_report("low_latency_dispatch")
         handle = (src_info, layout_range, M, H, E)
-        event = EventOverlap(EventHandle(), (x, topk_idx, recv_x, count)) if async_finish else EventOverlap(None)
+        event = self._ll_event((x, topk_idx, recv_x, count)) if async_finish else EventOverlap(None)
         return (recv_x, scales) if use_fp8 else recv_x, count, handle, event, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -227,7 +255,7 @@ class LowLatencyMixin:
             return_recv_hook: whether to only issue the sends and return a hook that receives.
             out: `[num_combined_tokens, hidden]` with `torch.bfloat16`, written and returned when given.
             combine_wait_recv_cost_stats: `[num_ranks]` with `torch.int64`, to which the time spent waiting for each
-                rank's rows is added (nanoseconds on the cpu backend), or None.
+                rank's rows is added, in nanoseconds, or None.
 
         Returns:
             combined_x: `[num_combined_tokens, hidden]` with `torch.bfloat16`, the weighted sums.
@@ -244,31 +272,32 @@ class LowLatencyMixin:
             if x is not None and not isinstance(x, torch.Tensor):
                 raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         else:
-            _check("x", x, torch.bfloat16, (L, R * M, H))
-        _check("topk_idx", topk_idx, torch.int64, dims=2)
+            _check("x", x, torch.bfloat16, (L, R * M, H), device=self._device)
+        _check("topk_idx", topk_idx, torch.int64, dims=2, device=self._device)
         T, K = topk_idx.shape
         if not 1 <= K <= _MAX_TOPK:
             raise ValueError(f"topk_idx: shape {tuple(topk_idx.shape)}, expected 1 <= num_topk <= {_MAX_TOPK}")
         if T > M:
             raise ValueError(f"topk_idx: {T} tokens, expected at most num_max_dispatch_tokens_per_rank = {M}")
-        _check("topk_weights", topk_weights, torch.float32, (T, K))
-        _check("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, (R,), optional=True)
+        _check("topk_weights", topk_weights, torch.float32, (T, K), device=self._device)
+        _check("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, (R,), optional=True,
+               device=self._device)
         if out is None:
-            out = torch.empty((T, H), dtype=torch.bfloat16)
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=self._device)
         else:
-            _check("out", out, torch.bfloat16, (T, H))
+            _check("out", out, torch.bfloat16, (T, H), device=self._device)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish=True and return_recv_hook=True: expected at most one of them")
         seq = _core.call("LowLatencyCombine", bid, M, H, E, T, K, bool(zero_copy), bool(return_recv_hook),
                          0 if zero_copy else _addr(x), _addr(topk_idx), _addr(topk_weights), _addr(src_info),
-                         _addr(layout_range), _addr(out), _addr(combine_wait_recv_cost_stats))
+                         _addr(layout_range), _addr(out), _addr(combine_wait_recv_cost_stats), self._ll_stream())
         hook = None
         if return_recv_hook:
             hook = self._ll_hook("low_latency_combine", seq, (x, topk_idx, topk_weights, src_info, layout_range, out,
                                                                combine_wait_recv_cost_stats))
         else:
             self._ll_report("low_latency_combine")
-        event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, out)) if async_finish else EventOverlap(None)
+        event = self._ll_event((x, topk_idx, topk_weights, out)) if async_finish else EventOverlap(None)
         return out, event, hook
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
@@ -293,8 +322,11 @@ class LowLatencyMixin:
             mask_status: `[num_ranks]` with `torch.int`, written with 1 for a masked rank and 0 otherwise.
         """
         bid = self._ll("low_latency_query_mask_buffer")
-        _check("mask_status", mask_status, torch.int32, (self.group_size,))
-        _core.call("LowLatencyMask", bid, "low_latency_query_mask_buffer", 0, False, mask_status.data_ptr())
+        _check("mask_status", mask_status, torch.int32, (self.group_size,), device=self._device)
+        host = torch.empty_like(mask_status, device="cpu") if self._cuda else mask_status
+        _core.call("LowLatencyMask", bid, "low_latency_query_mask_buffer", 0, False, host.data_ptr())
+        if host is not mask_status:
+            mask_status.copy_(host)
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmasks every rank (needs `enable_shrink=True`)."""
@@ -332,6 +364,6 @@ class LowLatencyMixin:
         R = self.group_size
         if E % R or H % 128:
             raise ValueError(f"handle: num_experts = {E}, hidden = {H}: expected a multiple of num_ranks = {R} and of 128")
-        _check("handle's src_info", src_info, torch.int32, (E // R, R * M))
-        _check("handle's layout_range", layout_range, torch.int64, (E // R, R))
+        _check("handle's src_info", src_info, torch.int32, (E // R, R * M), device=self._device)
+        _check("handle's layout_range", layout_range, torch.int64, (E // R, R), device=self._device)
         return src_info, layout_range, M, H, E

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pyep/pyep/goep"
 	"github.com/pyep/pyep/goep/cuda"
 	"github.com/pyep/pyep/goep/cuda/emu"
 	"github.com/pyep/pyep/goep/cuda/fake"
@@ -173,8 +174,8 @@ func runLL(t *testing.T, c llCase) {
 			x, idx, w := c.inputs(r, round)
 			T := len(idx) / c.K
 			d := devArgs{x: g.upload(t, dlpack.BF16, bytesOf(x), int64(T), int64(c.H)),
-				idx: g.upload(t, dlpack.I64, bytesOf(idx), int64(T), int64(c.K)),
-				w:   g.upload(t, dlpack.F32, bytesOf(w), int64(T), int64(c.K)),
+				idx:  g.upload(t, dlpack.I64, bytesOf(idx), int64(T), int64(c.K)),
+				w:    g.upload(t, dlpack.F32, bytesOf(w), int64(T), int64(c.K)),
 				recv: g.alloc(t, dlpack.FP8E4M3, int64(L*RM*rowBytes)), src: g.alloc(t, dlpack.I32, int64(L*RM)),
 				rng: g.alloc(t, dlpack.I64, int64(L*c.R)), cnt: g.alloc(t, dlpack.I32, int64(L)),
 				out: g.alloc(t, dlpack.BF16, int64(max(T, 1)), int64(c.H))}
@@ -182,7 +183,7 @@ func runLL(t *testing.T, c llCase) {
 				d.scales = g.alloc(t, dlpack.I32, int64(L*RM*S))
 			}
 			da[r] = d
-			call := &cuda.LLCall{Shape: shape, NumTokens: T, NumTopk: c.K, UseFP8: c.fp8, RoundScale: c.round, UseUE8M0: c.ue8m0,
+			call := &goep.LLCall{Shape: shape, NumTokens: T, NumTopk: c.K, UseFP8: c.fp8, RoundScale: c.round, UseUE8M0: c.ue8m0,
 				X: addr(d.x), TopkIdx: addr(d.idx), RecvX: addr(d.recv), RecvScales: addr(d.scales), SrcInfo: addr(d.src),
 				LayoutRange: addr(d.rng), Count: addr(d.cnt), Hook: c.hook}
 			rv, err := gpu[r].ll.Launch(false, call)
@@ -238,7 +239,7 @@ func runLL(t *testing.T, c llCase) {
 				rows[i] = uint16((i*7 + r*13 + round) % 9000)
 			}
 			x := g.upload(t, dlpack.BF16, bytesOf(rows), int64(len(rows)))
-			call := &cuda.LLCall{Shape: shape, NumTokens: T, NumTopk: c.K, X: addr(x), TopkIdx: addr(da[r].idx),
+			call := &goep.LLCall{Shape: shape, NumTokens: T, NumTopk: c.K, X: addr(x), TopkIdx: addr(da[r].idx),
 				TopkWeights: addr(da[r].w), SrcInfo: addr(da[r].src), LayoutRange: addr(da[r].rng), Out: addr(da[r].out), Hook: c.hook}
 			rv, err := gpu[r].ll.Launch(true, call)
 			if err != nil || rv == nil {
