@@ -386,7 +386,7 @@ def test_bad_arguments_raise_and_the_next_call_works(buffer, rank, num_ranks):
     with pytest.raises(ValueError, match=r"x: 4 tokens, expected at most num_max_dispatch_tokens_per_rank = 3"):
         buffer.low_latency_dispatch(x, topk, M - 1, E)
     with pytest.raises(ValueError, match=r"topk_idx: shape \(4, 12\)"):
-        buffer.low_latency_dispatch(x, torch.zeros((M, 12), dtype=torch.int64), M, E)
+        buffer.low_latency_dispatch(x, torch.zeros((M, 12), dtype=torch.int64, device=d), M, E)
     if BACKEND == "cpu":  # on cuda the host does not read the indices (a sync): one out of range selects nothing
         bad = topk.clone()
         bad[0, 0] = E

@@ -1,7 +1,9 @@
 # ---- pyep: bench/deepep/shared_gpu_init_dist.py --------------------------------------------------------------
 # run_deepep_test.sh appends this file to its copy of DeepEP's tests/utils.py when the ranks outnumber the GPUs,
 # so that this init_dist replaces DeepEP's. The one change: ranks share GPUs, which NCCL refuses, so the group
-# is gloo and pyep is told to run its cuda backend anyway. The rest is what DeepEP's init_dist does.
+# is gloo and pyep is told to run its cuda backend anyway. The rest is what DeepEP's init_dist does, and one
+# adapter for gloo: dist.all_gather_into_tensor into a stacked output [world, *input.shape] (test_low_latency.py's
+# use), which NCCL takes and gloo refuses, gets the same memory as the concatenated [world * n, ...] it takes.
 # (Its imports bind the same modules that utils.py binds to these names.)
 import os
 
@@ -32,3 +34,15 @@ def init_dist(local_rank: int, num_local_ranks: int):
     torch.set_default_dtype(torch.bfloat16)
     torch.set_default_device("cuda")
     return dist.get_rank(), dist.get_world_size(), dist.new_group(list(range(world_size)))
+
+
+_all_gather_into_tensor = dist.all_gather_into_tensor
+
+
+def _all_gather_stacked(output_tensor, input_tensor, group=None, async_op=False):
+    if output_tensor.dim() == input_tensor.dim() + 1 and input_tensor.dim() > 0:
+        output_tensor = output_tensor.view(-1, *input_tensor.shape[1:])
+    return _all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+dist.all_gather_into_tensor = _all_gather_stacked

@@ -126,6 +126,11 @@ var kernelNames = map[int8]string{nameNotify: "pyep_notify", namePrologue: "pyep
 	nameDispatch: "pyep_dispatch", nameCombine: "pyep_combine", nameLayout: "pyep_layout",
 	nameLLDispatch: "pyep_ll_dispatch", nameLLCombine: "pyep_ll_combine"}
 
+// cppNames are the symbols of the kernels that the GPU loads by their C++ names (pyep::ll::dispatch(pyep::LLParams)
+// and ::combine, mangled: see low_latency.cu); the emulator runs their C twins, kernelNames'.
+var cppNames = map[int8]string{nameLLDispatch: "_ZN4pyep2ll8dispatchENS_8LLParamsE",
+	nameLLCombine: "_ZN4pyep2ll7combineENS_8LLParamsE"}
+
 // function returns the kernel of key, loading it on first use; the context is current.
 func (k *kernelCache) function(b *Backend, key kernelKey, file string, defines func() map[string]string) (Function, error) {
 	k.mu.Lock()
@@ -138,6 +143,8 @@ func (k *kernelCache) function(b *Backend, key kernelKey, file string, defines f
 	var err error
 	if k.opts.Loader != nil {
 		f, err = k.opts.Loader.Load(b, file, name, defines())
+	} else if cpp, ok := cppNames[key.name]; ok {
+		f, err = k.nvrtc(b, file, cpp, defines())
 	} else {
 		f, err = k.nvrtc(b, file, name, defines())
 	}
