@@ -355,18 +355,6 @@ func load(name string) error {
 	return nil
 }
 
-// getenv reads the C library's environment, which the host process changes (Python's
-// os.environ calls putenv); os.Getenv of a Go library loaded into Python sees only the
-// environment of the moment the Go runtime started.
-func getenv(name string) string {
-	cname := C.CString(name)
-	defer C.free(unsafe.Pointer(cname))
-	if v := C.getenv(cname); v != nil {
-		return C.GoString(v)
-	}
-	return ""
-}
-
 // monotonicNS reads CLOCK_MONOTONIC, in nanoseconds: the clock of Python's time.perf_counter.
 func monotonicNS() int64 { return int64(C.pyep_monotonic_ns()) }
 

@@ -4,7 +4,6 @@ package cuda
 
 import (
 	"errors"
-	"os"
 )
 
 // Open fails in a build without cgo, which cannot dlopen the driver; the rest of pyep (the cpu
@@ -14,9 +13,6 @@ func Open() (Driver, error) {
 }
 
 func driverErrorText(Result) (string, string, bool) { return "", "", false }
-
-// getenv is os.Getenv: without cgo, pyep is no library of a C host process.
-func getenv(name string) string { return os.Getenv(name) }
 
 // monotonicNS is 0: without cgo there is no launch to time.
 func monotonicNS() int64 { return 0 }

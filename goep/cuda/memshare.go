@@ -7,6 +7,8 @@ import (
 	"os"
 	"strings"
 	"sync"
+
+	"github.com/pyep/pyep/goep/env"
 )
 
 // use_fabric: NVLink-domain buffers made with cuMemCreate and shared through cuMem handles
@@ -16,7 +18,7 @@ import (
 // (fdshare_linux.go).
 
 // MemHandleEnv forces the handle kind of use_fabric buffers: auto (the default), fabric or fd.
-const MemHandleEnv = "PYEP_MEM_HANDLE"
+const MemHandleEnv = env.MemHandle
 
 type handleMode int
 
@@ -29,7 +31,7 @@ const (
 // memHandleMode reads MemHandleEnv now, so that a change made before a Buffer's creation
 // counts.
 func memHandleMode() (handleMode, error) {
-	switch v := strings.ToLower(strings.TrimSpace(getenv(MemHandleEnv))); v {
+	switch v := strings.ToLower(strings.TrimSpace(env.Get(MemHandleEnv))); v {
 	case "", "auto":
 		return modeAuto, nil
 	case "fabric":

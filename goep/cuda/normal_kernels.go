@@ -2,11 +2,10 @@ package cuda
 
 import (
 	"fmt"
-	"os"
 	"strconv"
-	"strings"
 	"sync"
 
+	"github.com/pyep/pyep/goep/env"
 	"github.com/pyep/pyep/goep/jit"
 )
 
@@ -31,17 +30,7 @@ type NormalOptions struct {
 }
 
 // normalThreads is the block size of dispatch and combine: PYEP_NORMAL_THREADS when valid.
-var normalThreads = parseNormalThreads(os.Getenv("PYEP_NORMAL_THREADS"))
-
-// parseNormalThreads is s as a block size of dispatch and combine (a multiple of 32 from 64 to
-// 1024), else 768.
-func parseNormalThreads(s string) int {
-	n, err := strconv.Atoi(strings.TrimSpace(s))
-	if err != nil || n < 64 || n > 1024 || n%32 != 0 {
-		return 768
-	}
-	return n
-}
+var normalThreads = env.Threads(768)
 
 func (o NormalOptions) withDefaults() NormalOptions {
 	if o.Threads == 0 {
@@ -61,11 +50,11 @@ func (o NormalOptions) withDefaults() NormalOptions {
 
 // extraFlags are further NVRTC options for every kernel, from PYEP_JIT_FLAGS (space-separated,
 // e.g. "-lineinfo" for compute-sanitizer's source lines).
-var extraFlags = strings.Fields(os.Getenv("PYEP_JIT_FLAGS"))
+var extraFlags = env.Flags()
 
 // debugSync (PYEP_DEBUG_SYNC=1, a debugging aid) makes every launch wait for its kernel and
 // name the kernel that failed.
-var debugSync = os.Getenv("PYEP_DEBUG_SYNC") == "1"
+var debugSync = env.Sync()
 
 // kernelCache is a device's loaded kernels (its zero value is ready): modules live in the
 // device's primary context, so every buffer's engine on the device shares them.

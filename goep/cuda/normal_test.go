@@ -35,9 +35,3 @@ func TestVecBytes(t *testing.T) {
 	assert.Equal(t, 2, vecBytes(198, 0x1000))
 	assert.Equal(t, 1, vecBytes(99))
 }
-
-func TestParseNormalThreads(t *testing.T) {
-	for in, want := range map[string]int{"": 768, "800": 800, " 1024 ": 1024, "1056": 768, "32": 768, "100": 768, "x": 768} {
-		assert.Equal(t, want, parseNormalThreads(in), "PYEP_NORMAL_THREADS=%q", in)
-	}
-}
