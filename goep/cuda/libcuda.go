@@ -108,33 +108,10 @@ static const char* const pyep_cu_names[CU_COUNT][2] = {
 
 static void* pyep_cu_fp[CU_COUNT];
 
-static const char* pyep_cu_name(int i) { return pyep_cu_names[i][0]; }
+static const char* pyep_cu_name(int i, int alt) { return pyep_cu_names[i][alt]; }
 
-// Opens the driver and resolves every entry point; the table is only replaced if all are found.
-// Returns NULL on success, else a malloc'd dlerror text (it is per thread, hence read here in
-// the same C call), with *missing the index of a missing symbol or -1 if dlopen itself failed.
-static char* pyep_cu_open(const char* name, int* missing) {
-	*missing = -1;
-	void* h = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-	if (h == NULL) {
-		const char* e = dlerror();
-		return strdup(e ? e : "dlopen failed");
-	}
-	void* fp[CU_COUNT];
-	for (int i = 0; i < CU_COUNT; i++) {
-		fp[i] = dlsym(h, pyep_cu_names[i][0]);
-		if (fp[i] == NULL && pyep_cu_names[i][1] != NULL) fp[i] = dlsym(h, pyep_cu_names[i][1]);
-		if (fp[i] == NULL) {
-			const char* e = dlerror();
-			char* msg = strdup(e ? e : "symbol not found");
-			*missing = i;
-			dlclose(h);
-			return msg;
-		}
-	}
-	memcpy(pyep_cu_fp, fp, sizeof fp);
-	return NULL;
-}
+// Entry point i, resolved by goep/dl.
+static void pyep_cu_set(int i, uintptr_t fp) { pyep_cu_fp[i] = (void*)fp; }
 
 #define PYEP_FN(id, params) ((CUresult(*) params)pyep_cu_fp[id])
 
@@ -310,9 +287,12 @@ import "C"
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"sync"
 	"unsafe"
+
+	"github.com/pyep/pyep/goep/dl"
 )
 
 // libcudaName is the driver's soname: the one file every driver install provides, without a
@@ -336,17 +316,35 @@ func Open() (Driver, error) {
 	return theLib, nil
 }
 
-func load(name string) error {
-	cname := C.CString(name)
-	defer C.free(unsafe.Pointer(cname))
-	var missing C.int
-	if msg := C.pyep_cu_open(cname, &missing); msg != nil {
-		defer C.free(unsafe.Pointer(msg))
-		if missing >= 0 {
-			return fmt.Errorf("pyep: the CUDA driver (%s) lacks %s (%s): it is older than pyep supports; update the NVIDIA driver",
-				name, C.GoString(C.pyep_cu_name(missing)), C.GoString(msg))
+// cuTable is the driver's entry points as goep/dl resolves them, from pyep_cu_names.
+func cuTable() []dl.Symbol {
+	table := make([]dl.Symbol, C.CU_COUNT)
+	for i := range table {
+		for alt := range 2 {
+			if n := C.pyep_cu_name(C.int(i), C.int(alt)); n != nil {
+				table[i] = append(table[i], C.GoString(n))
+			}
 		}
-		return fmt.Errorf("pyep: cannot load the CUDA driver (%s): %s; the cpu backend needs none", name, C.GoString(msg))
+	}
+	return table
+}
+
+func load(name string) error {
+	lib, err := dl.Open(name, cuTable(), dl.Options{})
+	var missing *dl.MissingError
+	switch {
+	case errors.As(err, &missing):
+		return fmt.Errorf("pyep: the CUDA driver (%s) lacks %s (%s): it is older than pyep supports; update the NVIDIA driver",
+			name, missing.Symbol, missing.Detail)
+	case err != nil:
+		var open *dl.OpenError
+		if errors.As(err, &open) {
+			err = errors.New(open.Detail)
+		}
+		return fmt.Errorf("pyep: cannot load the CUDA driver (%s): %v; the cpu backend needs none", name, err)
+	}
+	for i, fp := range lib.Addrs {
+		C.pyep_cu_set(C.int(i), C.uintptr_t(fp))
 	}
 	loaded.Store(true)
 	if r := Result(C.pyep_cuInit(0)); r != Success {
