@@ -63,7 +63,9 @@ type MissingError struct {
 	Index                int // the symbol's index in the table
 }
 
-func (e *MissingError) Error() string { return fmt.Sprintf("%s lacks %s (%s)", e.Path, e.Symbol, e.Detail) }
+func (e *MissingError) Error() string {
+	return fmt.Sprintf("%s lacks %s (%s)", e.Path, e.Symbol, e.Detail)
+}
 
 // Options of Open.
 type Options struct {
