@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -242,23 +244,23 @@ func (e *normalEngine) orderAfter(o goep.StreamOrder) error {
 
 // fillCtx sets the parts of ctx every kernel of a call shares.
 func (e *normalEngine) fillCtx(ctx *kctx, st *bufferState, topo goep.Topology, peers []goep.Region, cfg goep.Config) {
-	for i := range ctx.Data {
-		ctx.Data[i], ctx.Ctl[i] = 0, 0
+	for i := range ctx.data {
+		ctx.data[i], ctx.ctl[i] = 0, 0
 	}
 	for i, p := range peers {
-		ctx.Data[i] = uint64(PtrOf(p.Data()))
-		ctx.Ctl[i] = uint64(PtrOf(p.Control()))
+		ctx.data[i] = u64(uint64(PtrOf(p.Data())))
+		ctx.ctl[i] = u64(uint64(PtrOf(p.Control())))
 	}
 	headOff, total := counters(cfg.NumChannels(), topo.NumNVLRanks)
-	ctx.Err = uint64(st.errDev)
-	ctx.Seq = st.seq
-	ctx.TimeoutNS = uint64(goep.OpTimeout())
-	ctx.CounterBytes = uint64(total)
-	ctx.HeadOff = uint64(headOff)
-	ctx.Rank = int32(topo.NVLRank)
-	ctx.NumChannels = int32(cfg.NumChannels())
-	ctx.RingSlots = int32(cfg.NumMaxNVLChunkedRecvTokens)
-	ctx.Chunk = int32(cfg.NumMaxNVLChunkedSendTokens)
+	ctx.err = u64(uint64(st.errDev))
+	ctx.seq = u64(st.seq)
+	ctx.timeout_ns = u64(goep.OpTimeout().Nanoseconds())
+	ctx.counter_bytes = u64(total)
+	ctx.head_off = u64(headOff)
+	ctx.rank = i32(topo.NVLRank)
+	ctx.num_channels = i32(cfg.NumChannels())
+	ctx.ring_slots = i32(cfg.NumMaxNVLChunkedRecvTokens)
+	ctx.chunk = i32(cfg.NumMaxNVLChunkedSendTokens)
 }
 
 // hostGrace is how much longer than the kernels' own bound the host waits for a result before
