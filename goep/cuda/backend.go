@@ -16,6 +16,7 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda/driver"
 )
 
 // Backend is goep's cuda backend for one GPU: the NVLink-domain buffers are device memory
@@ -56,16 +57,16 @@ import (
 //
 // A Backend is safe for concurrent use.
 type Backend struct {
-	drv     Driver
-	dev     Device
-	ctx     Context
+	drv     driver.Driver
+	dev     driver.Device
+	ctx     driver.Context
 	timeout time.Duration
 	probe   NVLinkProbe
 	busID   string
 	host    string
 	process string
 
-	comm Stream // pyep's communication stream
+	comm driver.Stream // pyep's communication stream
 
 	// lastLaunch is CLOCK_MONOTONIC (ns) after the latest kernel launch on comm.
 	lastLaunch atomic.Int64
@@ -74,12 +75,12 @@ type Backend struct {
 	// slots), so that they never queue behind other work; scratch is a pinned, device-mapped
 	// host page they copy through. ctrlMu guards both.
 	ctrlMu     sync.Mutex
-	ctrl       Stream
+	ctrl       driver.Stream
 	scratch    unsafe.Pointer
-	scratchDev DevicePtr
+	scratchDev driver.DevicePtr
 
 	waitMu sync.Mutex
-	waitEv Event // StreamWait's event, recorded and waited on under waitMu
+	waitEv driver.Event // StreamWait's event, recorded and waited on under waitMu
 
 	linksMu sync.Mutex
 	links   map[[2]string]string // NVLink probe answers by bus-id pair
@@ -135,7 +136,7 @@ const (
 // NewBackend makes the backend of device ordinal of drv: it retains the device's primary
 // context and creates pyep's communication stream (non-blocking, of the highest priority).
 // Close releases them.
-func NewBackend(drv Driver, ordinal int, opts BackendOptions) (b *Backend, err error) {
+func NewBackend(drv driver.Driver, ordinal int, opts BackendOptions) (b *Backend, err error) {
 	if opts.Timeout <= 0 {
 		opts.Timeout = DefaultTimeout
 	}
@@ -179,16 +180,16 @@ func NewBackend(drv Driver, ordinal int, opts BackendOptions) (b *Backend, err e
 	if err != nil {
 		return nil, err
 	}
-	if b.comm, err = drv.StreamCreate(StreamNonBlocking, greatest); err != nil {
+	if b.comm, err = drv.StreamCreate(driver.StreamNonBlocking, greatest); err != nil {
 		return nil, err
 	}
-	if b.ctrl, err = drv.StreamCreate(StreamNonBlocking, greatest); err != nil {
+	if b.ctrl, err = drv.StreamCreate(driver.StreamNonBlocking, greatest); err != nil {
 		return nil, err
 	}
-	if b.waitEv, err = drv.EventCreate(EventDisableTiming); err != nil {
+	if b.waitEv, err = drv.EventCreate(driver.EventDisableTiming); err != nil {
 		return nil, err
 	}
-	if b.scratch, err = drv.MemHostAlloc(scratchBytes, HostAllocPortable|HostAllocDeviceMap); err != nil {
+	if b.scratch, err = drv.MemHostAlloc(scratchBytes, driver.HostAllocPortable|driver.HostAllocDeviceMap); err != nil {
 		return nil, err
 	}
 	if b.scratchDev, err = drv.MemHostGetDevicePointer(b.scratch); err != nil {
@@ -206,12 +207,12 @@ func (b *Backend) release() []error {
 	}
 	if b.waitEv.Raw() != 0 {
 		errs = append(errs, b.waitEv.Destroy())
-		b.waitEv = Event{}
+		b.waitEv = driver.Event{}
 	}
-	for _, s := range []*Stream{&b.ctrl, &b.comm} {
+	for _, s := range []*driver.Stream{&b.ctrl, &b.comm} {
 		if s.Raw() != 0 {
 			errs = append(errs, s.Destroy())
-			*s = Stream{}
+			*s = driver.Stream{}
 		}
 	}
 	errs = append(errs, b.ctx.Release())
@@ -250,13 +251,13 @@ func (b *Backend) Name() string { return "cuda" }
 func (b *Backend) DeviceID() int { return b.dev.Ordinal() }
 
 // Driver is the driver the backend calls.
-func (b *Backend) Driver() Driver { return b.drv }
+func (b *Backend) Driver() driver.Driver { return b.drv }
 
 // Device is the backend's GPU.
-func (b *Backend) Device() Device { return b.dev }
+func (b *Backend) Device() driver.Device { return b.dev }
 
 // Context is the device's primary context.
-func (b *Backend) Context() Context { return b.ctx }
+func (b *Backend) Context() driver.Context { return b.ctx }
 
 // PCIBusID is the GPU's PCI address, as tokens carry it.
 func (b *Backend) PCIBusID() string { return b.busID }
@@ -277,12 +278,12 @@ func (b *Backend) Enter() (exit func(), err error) {
 }
 
 // PtrOf is the device address behind a Region's Control() or Data().
-func PtrOf(p unsafe.Pointer) DevicePtr { return DevicePtr(uintptr(p)) }
+func PtrOf(p unsafe.Pointer) driver.DevicePtr { return driver.DevicePtr(uintptr(p)) }
 
 // devicePointer makes a device address an unsafe.Pointer for goep's Region interface. The
 // address is outside the Go heap (unified addressing reserves it for the device), so the
 // garbage collector ignores it; it is never dereferenced on the host.
-func devicePointer(p DevicePtr) unsafe.Pointer {
+func devicePointer(p driver.DevicePtr) unsafe.Pointer {
 	u := uintptr(p)
 	return *(*unsafe.Pointer)(unsafe.Pointer(&u))
 }
@@ -290,7 +291,7 @@ func devicePointer(p DevicePtr) unsafe.Pointer {
 // region is an NVLink-domain allocation as this process addresses it.
 type region struct {
 	b    *Backend
-	base DevicePtr
+	base driver.DevicePtr
 	size int64 // data bytes
 }
 
@@ -771,7 +772,7 @@ func le32(v uint32) []byte { return binary.LittleEndian.AppendUint32(nil, v) }
 // rdmaRegion is the RDMA buffer: plain device memory until NVSHMEM comes.
 type rdmaRegion struct {
 	b      *Backend
-	base   DevicePtr
+	base   driver.DevicePtr
 	closed bool
 }
 
@@ -827,13 +828,13 @@ func (b *Backend) AllocateRDMA(size int64) (goep.RDMARegion, error) {
 
 // copyIn writes src to device memory at dst through the control stream; the context must be
 // current (or is made so).
-func (b *Backend) copyIn(dst DevicePtr, src []byte) error {
+func (b *Backend) copyIn(dst driver.DevicePtr, src []byte) error {
 	b.ctrlMu.Lock()
 	defer b.ctrlMu.Unlock()
 	return b.copyInLocked(dst, src)
 }
 
-func (b *Backend) copyInLocked(dst DevicePtr, src []byte) error {
+func (b *Backend) copyInLocked(dst driver.DevicePtr, src []byte) error {
 	exit, err := b.Enter()
 	defer exit()
 	if err != nil {
@@ -847,7 +848,7 @@ func (b *Backend) copyInLocked(dst DevicePtr, src []byte) error {
 }
 
 // copyOut reads device memory at src into dst through the control stream.
-func (b *Backend) copyOut(dst []byte, src DevicePtr) error {
+func (b *Backend) copyOut(dst []byte, src driver.DevicePtr) error {
 	b.ctrlMu.Lock()
 	defer b.ctrlMu.Unlock()
 	exit, err := b.Enter()
@@ -873,7 +874,7 @@ func (b *Backend) waitCtrlLocked() error {
 }
 
 // waitStream polls s until its work is done, an error, or timeout.
-func waitStream(s Stream, timeout time.Duration) error {
+func waitStream(s driver.Stream, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for pause := time.Duration(0); ; pause = min(max(2*pause, 10*time.Microsecond), time.Millisecond) {
 		done, err := s.Query()

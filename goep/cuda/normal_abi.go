@@ -24,7 +24,7 @@ type (
 
 // u64 and i32 are values of the header's integer types.
 func u64[T ~uint64 | ~int64 | ~int](v T) C.pyep_u64 { return C.pyep_u64(v) }
-func i32[T ~int32 | ~int](v T) C.pyep_i32        { return C.pyep_i32(v) }
+func i32[T ~int32 | ~int](v T) C.pyep_i32           { return C.pyep_i32(v) }
 
 // notifyTag is where notify's answer is complete: its tag, which the kernel writes last.
 func notifyTag(r *notifyResult) *uint64 { return (*uint64)(unsafe.Pointer(&r.tag)) }

@@ -7,6 +7,7 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda/driver"
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
@@ -44,7 +45,7 @@ func (e *normalEngine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 
 // prepareDispatch checks a dispatch whose rings must end by limit (the region's end, or the
 // scratch of the notify before it) and finds its kernel.
-func (e *normalEngine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.DispatchOp, limit int64) (f Function, off [5]int64, err error) {
+func (e *normalEngine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.DispatchOp, limit int64) (f driver.Function, off [5]int64, err error) {
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	slots := a.Config.NumMaxNVLChunkedRecvTokens
 	// goep checked the top-k and the experts; the row sizes are this engine's limits.

@@ -12,6 +12,7 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda/driver"
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
@@ -42,9 +43,9 @@ type bufferState struct {
 	reported bool   // dead was returned once already
 
 	errHost unsafe.Pointer // opError, host-mapped
-	errDev  DevicePtr
+	errDev  driver.DevicePtr
 	resHost unsafe.Pointer // notifyResult + per-expert counts, host-mapped
-	resDev  DevicePtr
+	resDev  driver.DevicePtr
 	resCap  int // per-expert counts resHost has room for
 
 	notified   bool  // the last call was a successful notify: the dispatch after it needs no prologue
@@ -64,7 +65,7 @@ type normalEngine struct {
 	// The record of the last layout's bad index (u64 [4]: tag, token << 32 | choice, value),
 	// written by the layout kernel and read by the next notify; layoutTag numbers the layouts.
 	layoutHost unsafe.Pointer
-	layoutDev  DevicePtr
+	layoutDev  driver.DevicePtr
 	layoutTag  uint64
 
 	// Launch parameters, reused by every launch (a launch copies them), in an allocation of
@@ -123,8 +124,8 @@ func (e *normalEngine) Close() error {
 }
 
 // hostAlloc allocates zeroed, device-mapped host memory.
-func (b *Backend) hostAlloc(n int) (unsafe.Pointer, DevicePtr, error) {
-	p, err := b.drv.MemHostAlloc(n, HostAllocPortable|HostAllocDeviceMap)
+func (b *Backend) hostAlloc(n int) (unsafe.Pointer, driver.DevicePtr, error) {
+	p, err := b.drv.MemHostAlloc(n, driver.HostAllocPortable|driver.HostAllocDeviceMap)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -199,14 +200,14 @@ func (e *normalEngine) recorded(st *bufferState) error {
 }
 
 // launch queues f on the communication stream with one parameter struct.
-func (e *normalEngine) launch(f Function, grid, block uint32, params unsafe.Pointer) error {
+func (e *normalEngine) launch(f driver.Function, grid, block uint32, params unsafe.Pointer) error {
 	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{block, 1, 1}, 0, e.b.comm, params); err != nil {
 		return err
 	}
-	e.b.lastLaunch.Store(monotonicNS())
+	e.b.lastLaunch.Store(driver.MonotonicNS())
 	if debugSync {
 		if err := e.b.comm.Synchronize(); err != nil {
-			return fmt.Errorf("pyep: kernel %s failed: %w; launch parameters: %#v", f.name, err, *e.params)
+			return fmt.Errorf("pyep: kernel %s failed: %w; launch parameters: %#v", f.Name(), err, *e.params)
 		}
 	}
 	return nil
@@ -227,7 +228,7 @@ func (e *normalEngine) orderBefore(o goep.StreamOrder) error {
 	b := e.b
 	switch {
 	case o.Event != 0:
-		return b.comm.WaitEvent(WrapEvent(b.drv, o.Event))
+		return b.comm.WaitEvent(driver.WrapEvent(b.drv, o.Event))
 	case o.Flags&goep.OrderWait != 0:
 		return b.streamWait(b.comm, b.WrapStream(o.Stream))
 	}

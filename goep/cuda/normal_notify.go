@@ -8,6 +8,7 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda/driver"
 )
 
 // Layout implements goep.NormalEngine: the counts on the GPU, queued without a wait (DeepEP's
@@ -123,7 +124,7 @@ func (e *normalEngine) NotifyDispatch(peers []goep.Region, n *goep.NotifyOp, d *
 
 // prepareNotify checks a notify, finds its kernel and fills its launch parameters.
 func (e *normalEngine) prepareNotify(st *bufferState, topo goep.Topology, peers []goep.Region,
-	a *goep.NotifyOp) (f Function, scratchOff int64, err error) {
+	a *goep.NotifyOp) (f driver.Function, scratchOff int64, err error) {
 	b := e.b
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	E := a.NumExperts
@@ -178,7 +179,7 @@ func (e *normalEngine) prepareNotify(st *bufferState, topo goep.Topology, peers 
 }
 
 // launchNotify queues the prepared notify; it returns the notify's barrier number.
-func (e *normalEngine) launchNotify(f Function, st *bufferState) (seq uint64, err error) {
+func (e *normalEngine) launchNotify(f driver.Function, st *bufferState) (seq uint64, err error) {
 	seq = st.seq
 	if err := e.launch(f, 1, uint32(e.opts.NotifyThreads), unsafe.Pointer(&e.params.notify)); err != nil {
 		return 0, err

@@ -1,6 +1,6 @@
 //go:build cgo
 
-package cuda
+package driver
 
 /*
 #cgo LDFLAGS: -ldl
@@ -353,8 +353,8 @@ func load(name string) error {
 	return nil
 }
 
-// monotonicNS reads CLOCK_MONOTONIC, in nanoseconds: the clock of Python's time.perf_counter.
-func monotonicNS() int64 { return int64(C.pyep_monotonic_ns()) }
+// MonotonicNS reads CLOCK_MONOTONIC, in nanoseconds: the clock of Python's time.perf_counter.
+func MonotonicNS() int64 { return int64(C.pyep_monotonic_ns()) }
 
 // driverErrorText asks the loaded driver to name r.
 func driverErrorText(r Result) (name, desc string, ok bool) {

@@ -1,6 +1,6 @@
 //go:build !cgo
 
-package cuda
+package driver
 
 import (
 	"errors"
@@ -14,5 +14,5 @@ func Open() (Driver, error) {
 
 func driverErrorText(Result) (string, string, bool) { return "", "", false }
 
-// monotonicNS is 0: without cgo there is no launch to time.
-func monotonicNS() int64 { return 0 }
+// MonotonicNS is 0: without cgo there is no launch to time.
+func MonotonicNS() int64 { return 0 }

@@ -27,7 +27,7 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/pyep/pyep/goep/cuda"
+	"github.com/pyep/pyep/goep/cuda/driver"
 )
 
 // Kernel is a fake kernel: it does on the host what the real one does on the GPU, reading its
@@ -40,13 +40,13 @@ type Launch struct {
 	Name        string
 	Grid, Block [3]uint32
 	SharedBytes uint32
-	Stream      cuda.Stream
+	Stream      driver.Stream
 	// Args point at the parameter values, as passed to Function.Launch.
 	Args []unsafe.Pointer
 }
 
 // DevicePtr reads parameter i as a pointer.
-func (l *Launch) DevicePtr(i int) cuda.DevicePtr { return *(*cuda.DevicePtr)(l.Args[i]) }
+func (l *Launch) DevicePtr(i int) driver.DevicePtr { return *(*driver.DevicePtr)(l.Args[i]) }
 
 // Int32 reads parameter i as an int.
 func (l *Launch) Int32(i int) int32 { return *(*int32)(l.Args[i]) }
@@ -58,7 +58,7 @@ func (l *Launch) Uint64(i int) uint64 { return *(*uint64)(l.Args[i]) }
 func (l *Launch) Float32(i int) float32 { return *(*float32)(l.Args[i]) }
 
 // Mem is the n bytes of device (or mapped host) memory at p, as Driver.Bytes.
-func (l *Launch) Mem(p cuda.DevicePtr, n int) ([]byte, error) { return l.Driver.Bytes(p, n) }
+func (l *Launch) Mem(p driver.DevicePtr, n int) ([]byte, error) { return l.Driver.Bytes(p, n) }
 
 // World is one fake host: the allocations its processes can share and the kernels they run.
 type World struct {
@@ -86,7 +86,7 @@ func (w *World) RegisterKernel(name string, k Kernel) {
 type allocation struct {
 	id     uint64
 	buf    []byte
-	base   cuda.DevicePtr
+	base   driver.DevicePtr
 	owner  *Driver
 	device int
 	host   bool
@@ -125,25 +125,25 @@ type Driver struct {
 	cfg Config
 
 	// All below is guarded by w.mu: one lock for the host keeps IPC simple.
-	current    cuda.Context
+	current    driver.Context
 	retained   map[int]int
-	used       map[int]int                    // device memory in use, by device
-	mapped     map[cuda.DevicePtr]*allocation // what this process can address, by base
-	imported   map[cuda.DevicePtr]bool        // bases mapped through IPC
-	memHandles map[cuda.MemHandle]*physical   // MemCreate's and imported handles
-	reserved   map[cuda.DevicePtr]int         // address ranges of MemAddressReserve, by size
-	vmaps      map[cuda.DevicePtr]*vmap       // MemMap's mappings, by base
+	used       map[int]int                      // device memory in use, by device
+	mapped     map[driver.DevicePtr]*allocation // what this process can address, by base
+	imported   map[driver.DevicePtr]bool        // bases mapped through IPC
+	memHandles map[driver.MemHandle]*physical   // MemCreate's and imported handles
+	reserved   map[driver.DevicePtr]int         // address ranges of MemAddressReserve, by size
+	vmaps      map[driver.DevicePtr]*vmap       // MemMap's mappings, by base
 	streams    map[uintptr]bool
 	events     map[uintptr]*event
 	modules    map[uintptr]bool
 	functions  map[uintptr]*function
 	nextHandle uintptr
 	calls      map[string]int
-	failNext   map[string]cuda.Result
+	failNext   map[string]driver.Result
 }
 
 type event struct {
-	flags    cuda.EventFlags
+	flags    driver.EventFlags
 	recorded bool
 	at       time.Time
 }
@@ -151,7 +151,7 @@ type event struct {
 type function struct {
 	name   string
 	kernel Kernel
-	attrs  map[cuda.FuncAttribute]int
+	attrs  map[driver.FuncAttribute]int
 }
 
 // New returns a fake process.
@@ -177,21 +177,21 @@ func New(cfg Config) *Driver {
 	return &Driver{
 		w: cfg.World, cfg: cfg,
 		retained: map[int]int{}, used: map[int]int{},
-		mapped: map[cuda.DevicePtr]*allocation{}, imported: map[cuda.DevicePtr]bool{},
+		mapped: map[driver.DevicePtr]*allocation{}, imported: map[driver.DevicePtr]bool{},
 		streams: map[uintptr]bool{0: true}, events: map[uintptr]*event{},
 		modules: map[uintptr]bool{}, functions: map[uintptr]*function{},
-		nextHandle: 0x1000, calls: map[string]int{}, failNext: map[string]cuda.Result{},
-		memHandles: map[cuda.MemHandle]*physical{}, reserved: map[cuda.DevicePtr]int{}, vmaps: map[cuda.DevicePtr]*vmap{},
+		nextHandle: 0x1000, calls: map[string]int{}, failNext: map[string]driver.Result{},
+		memHandles: map[driver.MemHandle]*physical{}, reserved: map[driver.DevicePtr]int{}, vmaps: map[driver.DevicePtr]*vmap{},
 	}
 }
 
-var _ cuda.Driver = (*Driver)(nil)
+var _ driver.Driver = (*Driver)(nil)
 
 // World is the host d lives in.
 func (d *Driver) World() *World { return d.w }
 
 // FailNext makes the next call of op (a Driver method name, e.g. "MemAlloc") fail with r.
-func (d *Driver) FailNext(op string, r cuda.Result) {
+func (d *Driver) FailNext(op string, r driver.Result) {
 	d.w.mu.Lock()
 	defer d.w.mu.Unlock()
 	d.failNext[op] = r
@@ -216,21 +216,21 @@ func (d *Driver) Live() int {
 
 // Bytes is the memory at [p, p+n): device memory, host memory or an IPC mapping of d. Writes
 // through it are what kernels and copies on a real GPU would do.
-func (d *Driver) Bytes(p cuda.DevicePtr, n int) ([]byte, error) {
+func (d *Driver) Bytes(p driver.DevicePtr, n int) ([]byte, error) {
 	d.w.mu.Lock()
 	defer d.w.mu.Unlock()
 	return d.bytes(p, n)
 }
 
-func (d *Driver) bytes(p cuda.DevicePtr, n int) ([]byte, error) {
+func (d *Driver) bytes(p driver.DevicePtr, n int) ([]byte, error) {
 	if n < 0 {
-		return nil, cuda.ErrorInvalidValue
+		return nil, driver.ErrorInvalidValue
 	}
 	for base, a := range d.mapped {
-		if p >= base && p < base+cuda.DevicePtr(len(a.buf)) {
+		if p >= base && p < base+driver.DevicePtr(len(a.buf)) {
 			off := int(p - base)
 			if off+n > len(a.buf) {
-				return nil, fmt.Errorf("pyep: fake: %d bytes at %#x overrun the %d-byte allocation at %#x: %w", n, uint64(p), len(a.buf), uint64(base), cuda.ErrorIllegalAddress)
+				return nil, fmt.Errorf("pyep: fake: %d bytes at %#x overrun the %d-byte allocation at %#x: %w", n, uint64(p), len(a.buf), uint64(base), driver.ErrorIllegalAddress)
 			}
 			return a.buf[off : off+n : off+n], nil
 		}
@@ -238,7 +238,7 @@ func (d *Driver) bytes(p cuda.DevicePtr, n int) ([]byte, error) {
 	if base, m := d.vmapAt(p); m != nil {
 		return m.bytes(base, p, n)
 	}
-	return nil, fmt.Errorf("pyep: fake: %#x is not memory of this process: %w", uint64(p), cuda.ErrorIllegalAddress)
+	return nil, fmt.Errorf("pyep: fake: %#x is not memory of this process: %w", uint64(p), driver.ErrorIllegalAddress)
 }
 
 // enter counts a call and returns an injected failure, if any. w.mu must be held.
@@ -257,7 +257,7 @@ func (d *Driver) enterCtx(op string) error {
 		return err
 	}
 	if d.current.Raw() == 0 {
-		return fmt.Errorf("pyep: fake %s: no current context (call Context.MakeCurrent first): %w", op, cuda.ErrorInvalidContext)
+		return fmt.Errorf("pyep: fake %s: no current context (call Context.MakeCurrent first): %w", op, driver.ErrorInvalidContext)
 	}
 	return nil
 }
@@ -277,16 +277,16 @@ func (d *Driver) handle() uintptr {
 	return d.nextHandle
 }
 
-func (d *Driver) device(dev cuda.Device) error {
+func (d *Driver) device(dev driver.Device) error {
 	if dev.Ordinal() < 0 || dev.Ordinal() >= d.cfg.Devices {
-		return fmt.Errorf("pyep: fake: device %d of %d: %w", dev.Ordinal(), d.cfg.Devices, cuda.ErrorInvalidDevice)
+		return fmt.Errorf("pyep: fake: device %d of %d: %w", dev.Ordinal(), d.cfg.Devices, driver.ErrorInvalidDevice)
 	}
 	return nil
 }
 
-func (d *Driver) stream(s cuda.Stream) error {
+func (d *Driver) stream(s driver.Stream) error {
 	if !d.streams[s.Raw()] {
-		return fmt.Errorf("pyep: fake: stream %#x: %w", s.Raw(), cuda.ErrorInvalidHandle)
+		return fmt.Errorf("pyep: fake: stream %#x: %w", s.Raw(), driver.ErrorInvalidHandle)
 	}
 	return nil
 }
@@ -306,10 +306,10 @@ func (d *Driver) DeviceCount() (int, error) {
 }
 
 // DeviceGet returns device ordinal.
-func (d *Driver) DeviceGet(ordinal int) (cuda.Device, error) {
+func (d *Driver) DeviceGet(ordinal int) (driver.Device, error) {
 	unlock, err := d.lock("DeviceGet", false)
 	defer unlock()
-	dev := cuda.NewDevice(d, ordinal)
+	dev := driver.NewDevice(d, ordinal)
 	if err == nil {
 		err = d.device(dev)
 	}
@@ -317,7 +317,7 @@ func (d *Driver) DeviceGet(ordinal int) (cuda.Device, error) {
 }
 
 // DeviceGetAttribute answers from Config; attributes it does not model read as 0.
-func (d *Driver) DeviceGetAttribute(dev cuda.Device, attr cuda.DeviceAttribute) (int, error) {
+func (d *Driver) DeviceGetAttribute(dev driver.Device, attr driver.DeviceAttribute) (int, error) {
 	unlock, err := d.lock("DeviceGetAttribute", false)
 	defer unlock()
 	if err == nil {
@@ -327,23 +327,23 @@ func (d *Driver) DeviceGetAttribute(dev cuda.Device, attr cuda.DeviceAttribute) 
 		return 0, err
 	}
 	switch attr {
-	case cuda.AttrMultiprocessorCount:
+	case driver.AttrMultiprocessorCount:
 		return d.cfg.SMs, nil
-	case cuda.AttrComputeCapabilityMajor:
+	case driver.AttrComputeCapabilityMajor:
 		return d.cfg.Major, nil
-	case cuda.AttrComputeCapabilityMinor:
+	case driver.AttrComputeCapabilityMinor:
 		return d.cfg.Minor, nil
-	case cuda.AttrMaxThreadsPerBlock:
+	case driver.AttrMaxThreadsPerBlock:
 		return 1024, nil
-	case cuda.AttrMaxSharedMemoryPerBlockOptin:
+	case driver.AttrMaxSharedMemoryPerBlockOptin:
 		return 232448, nil
-	case cuda.AttrCanMapHostMemory, cuda.AttrUnifiedAddressing:
+	case driver.AttrCanMapHostMemory, driver.AttrUnifiedAddressing:
 		return 1, nil
-	case cuda.AttrPCIBusID:
+	case driver.AttrPCIBusID:
 		return pciBus(dev.Ordinal()), nil
-	case cuda.AttrVirtualMemoryManagement, cuda.AttrHandleTypePosixFD:
+	case driver.AttrVirtualMemoryManagement, driver.AttrHandleTypePosixFD:
 		return b2i(d.vmm()), nil
-	case cuda.AttrHandleTypeFabric:
+	case driver.AttrHandleTypeFabric:
 		return b2i(d.vmm() && d.cfg.Fabric), nil
 	}
 	return 0, nil
@@ -353,7 +353,7 @@ func (d *Driver) DeviceGetAttribute(dev cuda.Device, attr cuda.DeviceAttribute) 
 func pciBus(ordinal int) int { return 0x18 + 0x10*ordinal }
 
 // DeviceGetName is Config.Name.
-func (d *Driver) DeviceGetName(dev cuda.Device) (string, error) {
+func (d *Driver) DeviceGetName(dev driver.Device) (string, error) {
 	unlock, err := d.lock("DeviceGetName", false)
 	defer unlock()
 	if err == nil {
@@ -363,7 +363,7 @@ func (d *Driver) DeviceGetName(dev cuda.Device) (string, error) {
 }
 
 // DeviceGetPCIBusID is "0000:BB:00.0", BB depending on the ordinal only.
-func (d *Driver) DeviceGetPCIBusID(dev cuda.Device) (string, error) {
+func (d *Driver) DeviceGetPCIBusID(dev driver.Device) (string, error) {
 	unlock, err := d.lock("DeviceGetPCIBusID", false)
 	defer unlock()
 	if err == nil {
@@ -376,7 +376,7 @@ func (d *Driver) DeviceGetPCIBusID(dev cuda.Device) (string, error) {
 }
 
 // DeviceTotalMem is Config.MemBytes.
-func (d *Driver) DeviceTotalMem(dev cuda.Device) (int, error) {
+func (d *Driver) DeviceTotalMem(dev driver.Device) (int, error) {
 	unlock, err := d.lock("DeviceTotalMem", false)
 	defer unlock()
 	if err == nil {
@@ -386,7 +386,7 @@ func (d *Driver) DeviceTotalMem(dev cuda.Device) (int, error) {
 }
 
 // DeviceCanAccessPeer is true between distinct devices, as on an NVLink host.
-func (d *Driver) DeviceCanAccessPeer(dev, peer cuda.Device) (bool, error) {
+func (d *Driver) DeviceCanAccessPeer(dev, peer driver.Device) (bool, error) {
 	unlock, err := d.lock("DeviceCanAccessPeer", false)
 	defer unlock()
 	if err == nil {
@@ -399,22 +399,22 @@ func (d *Driver) DeviceCanAccessPeer(dev, peer cuda.Device) (bool, error) {
 }
 
 // DevicePrimaryCtxRetain counts references per device.
-func (d *Driver) DevicePrimaryCtxRetain(dev cuda.Device) (cuda.Context, error) {
+func (d *Driver) DevicePrimaryCtxRetain(dev driver.Device) (driver.Context, error) {
 	unlock, err := d.lock("DevicePrimaryCtxRetain", false)
 	defer unlock()
 	if err == nil {
 		err = d.device(dev)
 	}
 	if err != nil {
-		return cuda.Context{}, err
+		return driver.Context{}, err
 	}
 	d.retained[dev.Ordinal()]++
-	return cuda.NewContext(d, uintptr(0xc000+dev.Ordinal()), dev), nil
+	return driver.NewContext(d, uintptr(0xc000+dev.Ordinal()), dev), nil
 }
 
 // DevicePrimaryCtxRelease fails when nothing is retained, where a real driver would let the
 // context go.
-func (d *Driver) DevicePrimaryCtxRelease(dev cuda.Device) error {
+func (d *Driver) DevicePrimaryCtxRelease(dev driver.Device) error {
 	unlock, err := d.lock("DevicePrimaryCtxRelease", false)
 	defer unlock()
 	if err == nil {
@@ -424,28 +424,28 @@ func (d *Driver) DevicePrimaryCtxRelease(dev cuda.Device) error {
 		return err
 	}
 	if d.retained[dev.Ordinal()] == 0 {
-		return fmt.Errorf("pyep: fake: primary context of device %d released more often than retained: %w", dev.Ordinal(), cuda.ErrorInvalidContext)
+		return fmt.Errorf("pyep: fake: primary context of device %d released more often than retained: %w", dev.Ordinal(), driver.ErrorInvalidContext)
 	}
 	d.retained[dev.Ordinal()]--
 	return nil
 }
 
 // CtxSetCurrent makes ctx current for the whole process (see the package doc).
-func (d *Driver) CtxSetCurrent(ctx cuda.Context) error {
+func (d *Driver) CtxSetCurrent(ctx driver.Context) error {
 	unlock, err := d.lock("CtxSetCurrent", false)
 	defer unlock()
 	if err != nil {
 		return err
 	}
 	if ctx.Raw() != 0 && d.retained[ctx.Device().Ordinal()] == 0 {
-		return fmt.Errorf("pyep: fake: context %#x is not retained: %w", ctx.Raw(), cuda.ErrorInvalidContext)
+		return fmt.Errorf("pyep: fake: context %#x is not retained: %w", ctx.Raw(), driver.ErrorInvalidContext)
 	}
 	d.current = ctx
 	return nil
 }
 
 // CtxGetCurrent returns the current context.
-func (d *Driver) CtxGetCurrent() (cuda.Context, error) {
+func (d *Driver) CtxGetCurrent() (driver.Context, error) {
 	unlock, err := d.lock("CtxGetCurrent", false)
 	defer unlock()
 	return d.current, err
@@ -477,12 +477,12 @@ func (d *Driver) MemGetInfo() (free, total int, err error) {
 
 func (d *Driver) alloc(bytes int, host bool) (*allocation, error) {
 	if bytes <= 0 {
-		return nil, fmt.Errorf("pyep: fake: allocating %d bytes: %w", bytes, cuda.ErrorInvalidValue)
+		return nil, fmt.Errorf("pyep: fake: allocating %d bytes: %w", bytes, driver.ErrorInvalidValue)
 	}
 	dev := d.current.Device().Ordinal()
 	if !host {
 		if d.used[dev]+bytes > d.cfg.MemBytes {
-			return nil, fmt.Errorf("pyep: fake: allocating %d bytes with %d of %d in use: %w", bytes, d.used[dev], d.cfg.MemBytes, cuda.ErrorOutOfMemory)
+			return nil, fmt.Errorf("pyep: fake: allocating %d bytes with %d of %d in use: %w", bytes, d.used[dev], d.cfg.MemBytes, driver.ErrorOutOfMemory)
 		}
 		d.used[dev] += bytes
 	}
@@ -491,7 +491,7 @@ func (d *Driver) alloc(bytes int, host bool) (*allocation, error) {
 	if d.cfg.Guard {
 		var err error
 		if buf, err = guarded(bytes); err != nil {
-			return nil, fmt.Errorf("pyep: fake: allocating %d bytes: %v: %w", bytes, err, cuda.ErrorOutOfMemory)
+			return nil, fmt.Errorf("pyep: fake: allocating %d bytes: %v: %w", bytes, err, driver.ErrorOutOfMemory)
 		}
 	} else {
 		raw := make([]byte, bytes+256)
@@ -499,17 +499,17 @@ func (d *Driver) alloc(bytes int, host bool) (*allocation, error) {
 		buf = raw[off : off+bytes : off+bytes]
 	}
 	d.w.nextID++
-	a := &allocation{id: d.w.nextID, buf: buf, base: cuda.DevicePtr(uintptr(unsafe.Pointer(&buf[0]))), owner: d, device: dev, host: host}
+	a := &allocation{id: d.w.nextID, buf: buf, base: driver.DevicePtr(uintptr(unsafe.Pointer(&buf[0]))), owner: d, device: dev, host: host}
 	d.w.allocs[a.id] = a
 	d.mapped[a.base] = a
 	return a, nil
 }
 
 // own returns d's own allocation at base p (not an IPC mapping), of the given kind.
-func (d *Driver) own(op string, p cuda.DevicePtr, host bool) (*allocation, error) {
+func (d *Driver) own(op string, p driver.DevicePtr, host bool) (*allocation, error) {
 	a, ok := d.mapped[p]
 	if !ok || a.owner != d || a.host != host {
-		return nil, fmt.Errorf("pyep: fake %s: %#x is not the start of an allocation of this process: %w", op, uint64(p), cuda.ErrorInvalidValue)
+		return nil, fmt.Errorf("pyep: fake %s: %#x is not the start of an allocation of this process: %w", op, uint64(p), driver.ErrorInvalidValue)
 	}
 	return a, nil
 }
@@ -530,7 +530,7 @@ func (d *Driver) release(a *allocation) {
 
 // MemAlloc allocates zeroed, 256-byte aligned memory (real memory is not zeroed: do not rely
 // on it).
-func (d *Driver) MemAlloc(bytes int) (cuda.DevicePtr, error) {
+func (d *Driver) MemAlloc(bytes int) (driver.DevicePtr, error) {
 	unlock, err := d.lock("MemAlloc", true)
 	defer unlock()
 	if err != nil {
@@ -544,7 +544,7 @@ func (d *Driver) MemAlloc(bytes int) (cuda.DevicePtr, error) {
 }
 
 // MemFree frees an allocation; peers that opened it keep their mapping until they close it.
-func (d *Driver) MemFree(p cuda.DevicePtr) error {
+func (d *Driver) MemFree(p driver.DevicePtr) error {
 	unlock, err := d.lock("MemFree", true)
 	defer unlock()
 	if err != nil {
@@ -559,7 +559,7 @@ func (d *Driver) MemFree(p cuda.DevicePtr) error {
 }
 
 // MemsetD8 fills memory at once.
-func (d *Driver) MemsetD8(p cuda.DevicePtr, value byte, bytes int) error {
+func (d *Driver) MemsetD8(p driver.DevicePtr, value byte, bytes int) error {
 	unlock, err := d.lock("MemsetD8", true)
 	defer unlock()
 	if err != nil {
@@ -568,7 +568,7 @@ func (d *Driver) MemsetD8(p cuda.DevicePtr, value byte, bytes int) error {
 	return d.memset(p, value, bytes)
 }
 
-func (d *Driver) memset(p cuda.DevicePtr, value byte, bytes int) error {
+func (d *Driver) memset(p driver.DevicePtr, value byte, bytes int) error {
 	b, err := d.bytes(p, bytes)
 	if err != nil {
 		return err
@@ -580,7 +580,7 @@ func (d *Driver) memset(p cuda.DevicePtr, value byte, bytes int) error {
 }
 
 // MemsetD8Async fills memory at once.
-func (d *Driver) MemsetD8Async(p cuda.DevicePtr, value byte, bytes int, s cuda.Stream) error {
+func (d *Driver) MemsetD8Async(p driver.DevicePtr, value byte, bytes int, s driver.Stream) error {
 	unlock, err := d.lock("MemsetD8Async", true)
 	defer unlock()
 	if err == nil {
@@ -593,7 +593,7 @@ func (d *Driver) MemsetD8Async(p cuda.DevicePtr, value byte, bytes int, s cuda.S
 }
 
 // MemcpyHtoD copies at once.
-func (d *Driver) MemcpyHtoD(dst cuda.DevicePtr, src []byte) error {
+func (d *Driver) MemcpyHtoD(dst driver.DevicePtr, src []byte) error {
 	unlock, err := d.lock("MemcpyHtoD", true)
 	defer unlock()
 	if err != nil || len(src) == 0 {
@@ -608,7 +608,7 @@ func (d *Driver) MemcpyHtoD(dst cuda.DevicePtr, src []byte) error {
 }
 
 // MemcpyDtoH copies at once.
-func (d *Driver) MemcpyDtoH(dst []byte, src cuda.DevicePtr) error {
+func (d *Driver) MemcpyDtoH(dst []byte, src driver.DevicePtr) error {
 	unlock, err := d.lock("MemcpyDtoH", true)
 	defer unlock()
 	if err != nil || len(dst) == 0 {
@@ -623,7 +623,7 @@ func (d *Driver) MemcpyDtoH(dst []byte, src cuda.DevicePtr) error {
 }
 
 // MemcpyAsync copies at once (overlapping ranges as memmove).
-func (d *Driver) MemcpyAsync(dst, src cuda.DevicePtr, bytes int, s cuda.Stream) error {
+func (d *Driver) MemcpyAsync(dst, src driver.DevicePtr, bytes int, s driver.Stream) error {
 	unlock, err := d.lock("MemcpyAsync", true)
 	defer unlock()
 	if err == nil {
@@ -645,7 +645,7 @@ func (d *Driver) MemcpyAsync(dst, src cuda.DevicePtr, bytes int, s cuda.Stream) 
 }
 
 // MemHostAlloc allocates Go memory that stands for pinned host memory.
-func (d *Driver) MemHostAlloc(bytes int, flags cuda.HostAllocFlags) (unsafe.Pointer, error) {
+func (d *Driver) MemHostAlloc(bytes int, flags driver.HostAllocFlags) (unsafe.Pointer, error) {
 	unlock, err := d.lock("MemHostAlloc", true)
 	defer unlock()
 	if err != nil {
@@ -659,13 +659,13 @@ func (d *Driver) MemHostAlloc(bytes int, flags cuda.HostAllocFlags) (unsafe.Poin
 }
 
 // MemHostGetDevicePointer returns the same address, as with unified addressing.
-func (d *Driver) MemHostGetDevicePointer(p unsafe.Pointer) (cuda.DevicePtr, error) {
+func (d *Driver) MemHostGetDevicePointer(p unsafe.Pointer) (driver.DevicePtr, error) {
 	unlock, err := d.lock("MemHostGetDevicePointer", true)
 	defer unlock()
 	if err != nil {
 		return 0, err
 	}
-	a, err := d.own("MemHostGetDevicePointer", cuda.DevicePtr(uintptr(p)), true)
+	a, err := d.own("MemHostGetDevicePointer", driver.DevicePtr(uintptr(p)), true)
 	if err != nil {
 		return 0, err
 	}
@@ -679,7 +679,7 @@ func (d *Driver) MemFreeHost(p unsafe.Pointer) error {
 	if err != nil {
 		return err
 	}
-	a, err := d.own("MemFreeHost", cuda.DevicePtr(uintptr(p)), true)
+	a, err := d.own("MemFreeHost", driver.DevicePtr(uintptr(p)), true)
 	if err != nil {
 		return err
 	}
@@ -688,61 +688,61 @@ func (d *Driver) MemFreeHost(p unsafe.Pointer) error {
 }
 
 // PointerGetAttribute answers for any address inside memory of d.
-func (d *Driver) PointerGetAttribute(attr cuda.PointerAttribute, p cuda.DevicePtr) (uint64, error) {
+func (d *Driver) PointerGetAttribute(attr driver.PointerAttribute, p driver.DevicePtr) (uint64, error) {
 	unlock, err := d.lock("PointerGetAttribute", false)
 	defer unlock()
 	if err != nil {
 		return 0, err
 	}
 	for base, a := range d.mapped {
-		if p < base || p >= base+cuda.DevicePtr(len(a.buf)) {
+		if p < base || p >= base+driver.DevicePtr(len(a.buf)) {
 			continue
 		}
 		switch attr {
-		case cuda.PointerAttrMemoryType:
+		case driver.PointerAttrMemoryType:
 			if a.host {
-				return uint64(cuda.MemoryTypeHost), nil
+				return uint64(driver.MemoryTypeHost), nil
 			}
-			return uint64(cuda.MemoryTypeDevice), nil
-		case cuda.PointerAttrDeviceOrdinal:
+			return uint64(driver.MemoryTypeDevice), nil
+		case driver.PointerAttrDeviceOrdinal:
 			return uint64(a.device), nil
-		case cuda.PointerAttrDevicePointer:
+		case driver.PointerAttrDevicePointer:
 			return uint64(p), nil
-		case cuda.PointerAttrRangeStartAddr:
+		case driver.PointerAttrRangeStartAddr:
 			return uint64(base), nil
-		case cuda.PointerAttrRangeSize:
+		case driver.PointerAttrRangeSize:
 			return uint64(len(a.buf)), nil
-		case cuda.PointerAttrContext:
+		case driver.PointerAttrContext:
 			return uint64(0xc000 + a.device), nil
 		}
-		return 0, fmt.Errorf("pyep: fake: pointer attribute %d: %w", attr, cuda.ErrorNotSupported)
+		return 0, fmt.Errorf("pyep: fake: pointer attribute %d: %w", attr, driver.ErrorNotSupported)
 	}
 	if base, m := d.vmapAt(p); m != nil {
 		switch attr {
-		case cuda.PointerAttrMemoryType:
-			return uint64(cuda.MemoryTypeDevice), nil
-		case cuda.PointerAttrDeviceOrdinal:
+		case driver.PointerAttrMemoryType:
+			return uint64(driver.MemoryTypeDevice), nil
+		case driver.PointerAttrDeviceOrdinal:
 			return uint64(m.phys.device), nil
-		case cuda.PointerAttrDevicePointer:
+		case driver.PointerAttrDevicePointer:
 			return uint64(p), nil
-		case cuda.PointerAttrRangeStartAddr:
+		case driver.PointerAttrRangeStartAddr:
 			return uint64(base), nil
-		case cuda.PointerAttrRangeSize:
+		case driver.PointerAttrRangeSize:
 			return uint64(m.size), nil
 		}
-		return 0, fmt.Errorf("pyep: fake: pointer attribute %d of mapped memory: %w", attr, cuda.ErrorNotSupported)
+		return 0, fmt.Errorf("pyep: fake: pointer attribute %d of mapped memory: %w", attr, driver.ErrorNotSupported)
 	}
-	return 0, fmt.Errorf("pyep: fake: %#x is not memory of this process: %w", uint64(p), cuda.ErrorInvalidValue)
+	return 0, fmt.Errorf("pyep: fake: %#x is not memory of this process: %w", uint64(p), driver.ErrorInvalidValue)
 }
 
 // ipcMagic marks fake handles, so that garbage handles are told apart from stale ones.
 const ipcMagic = "pyepfake"
 
 // IpcGetMemHandle exports one of d's device allocations.
-func (d *Driver) IpcGetMemHandle(p cuda.DevicePtr) (cuda.IpcMemHandle, error) {
+func (d *Driver) IpcGetMemHandle(p driver.DevicePtr) (driver.IpcMemHandle, error) {
 	unlock, err := d.lock("IpcGetMemHandle", true)
 	defer unlock()
-	var h cuda.IpcMemHandle
+	var h driver.IpcMemHandle
 	if err != nil {
 		return h, err
 	}
@@ -757,7 +757,7 @@ func (d *Driver) IpcGetMemHandle(p cuda.DevicePtr) (cuda.IpcMemHandle, error) {
 
 // IpcOpenMemHandle maps another process's allocation. Like the real driver, a process cannot
 // open its own handles.
-func (d *Driver) IpcOpenMemHandle(h cuda.IpcMemHandle) (cuda.DevicePtr, error) {
+func (d *Driver) IpcOpenMemHandle(h driver.IpcMemHandle) (driver.DevicePtr, error) {
 	unlock, err := d.lock("IpcOpenMemHandle", true)
 	defer unlock()
 	if err != nil {
@@ -766,11 +766,11 @@ func (d *Driver) IpcOpenMemHandle(h cuda.IpcMemHandle) (cuda.DevicePtr, error) {
 	a, ok := d.w.allocs[getUint64(h[8:])]
 	switch {
 	case string(h[:8]) != ipcMagic || !ok || a.freed:
-		return 0, fmt.Errorf("pyep: fake: IPC handle of no live allocation: %w", cuda.ErrorInvalidValue)
+		return 0, fmt.Errorf("pyep: fake: IPC handle of no live allocation: %w", driver.ErrorInvalidValue)
 	case a.owner == d:
-		return 0, fmt.Errorf("pyep: fake: opening an IPC handle in the process that exported it: %w", cuda.ErrorInvalidContext)
+		return 0, fmt.Errorf("pyep: fake: opening an IPC handle in the process that exported it: %w", driver.ErrorInvalidContext)
 	case d.imported[a.base]:
-		return 0, fmt.Errorf("pyep: fake: IPC handle opened twice: %w", cuda.ErrorInvalidValue)
+		return 0, fmt.Errorf("pyep: fake: IPC handle opened twice: %w", driver.ErrorInvalidValue)
 	}
 	a.opened++
 	d.mapped[a.base] = a
@@ -779,14 +779,14 @@ func (d *Driver) IpcOpenMemHandle(h cuda.IpcMemHandle) (cuda.DevicePtr, error) {
 }
 
 // IpcCloseMemHandle unmaps what IpcOpenMemHandle mapped.
-func (d *Driver) IpcCloseMemHandle(p cuda.DevicePtr) error {
+func (d *Driver) IpcCloseMemHandle(p driver.DevicePtr) error {
 	unlock, err := d.lock("IpcCloseMemHandle", true)
 	defer unlock()
 	if err != nil {
 		return err
 	}
 	if !d.imported[p] {
-		return fmt.Errorf("pyep: fake: %#x is not an IPC mapping: %w", uint64(p), cuda.ErrorInvalidValue)
+		return fmt.Errorf("pyep: fake: %#x is not an IPC mapping: %w", uint64(p), driver.ErrorInvalidValue)
 	}
 	a := d.mapped[p]
 	delete(d.mapped, p)
@@ -802,45 +802,45 @@ func (d *Driver) IpcCloseMemHandle(p cuda.DevicePtr) error {
 }
 
 // ModuleLoadData accepts any non-empty image: kernels come from World.RegisterKernel.
-func (d *Driver) ModuleLoadData(image []byte) (cuda.Module, error) {
+func (d *Driver) ModuleLoadData(image []byte) (driver.Module, error) {
 	unlock, err := d.lock("ModuleLoadData", true)
 	defer unlock()
 	if err == nil && len(image) == 0 {
-		err = fmt.Errorf("pyep: fake: empty module image: %w", cuda.ErrorInvalidImage)
+		err = fmt.Errorf("pyep: fake: empty module image: %w", driver.ErrorInvalidImage)
 	}
 	if err != nil {
-		return cuda.Module{}, err
+		return driver.Module{}, err
 	}
 	h := d.handle()
 	d.modules[h] = true
-	return cuda.WrapModule(d, h), nil
+	return driver.WrapModule(d, h), nil
 }
 
 // ModuleGetFunction finds a kernel registered on the World.
-func (d *Driver) ModuleGetFunction(m cuda.Module, name string) (cuda.Function, error) {
+func (d *Driver) ModuleGetFunction(m driver.Module, name string) (driver.Function, error) {
 	unlock, err := d.lock("ModuleGetFunction", true)
 	defer unlock()
 	if err == nil && !d.modules[m.Raw()] {
-		err = fmt.Errorf("pyep: fake: module %#x: %w", m.Raw(), cuda.ErrorInvalidHandle)
+		err = fmt.Errorf("pyep: fake: module %#x: %w", m.Raw(), driver.ErrorInvalidHandle)
 	}
 	if err != nil {
-		return cuda.Function{}, err
+		return driver.Function{}, err
 	}
 	k, ok := d.w.kernels[name]
 	if !ok {
-		return cuda.Function{}, fmt.Errorf("pyep: fake: no kernel %q registered: %w", name, cuda.ErrorNotFound)
+		return driver.Function{}, fmt.Errorf("pyep: fake: no kernel %q registered: %w", name, driver.ErrorNotFound)
 	}
 	h := d.handle()
-	d.functions[h] = &function{name: name, kernel: k, attrs: map[cuda.FuncAttribute]int{}}
-	return cuda.WrapFunction(d, h, name), nil
+	d.functions[h] = &function{name: name, kernel: k, attrs: map[driver.FuncAttribute]int{}}
+	return driver.WrapFunction(d, h, name), nil
 }
 
 // ModuleUnload forgets a module.
-func (d *Driver) ModuleUnload(m cuda.Module) error {
+func (d *Driver) ModuleUnload(m driver.Module) error {
 	unlock, err := d.lock("ModuleUnload", true)
 	defer unlock()
 	if err == nil && !d.modules[m.Raw()] {
-		err = fmt.Errorf("pyep: fake: module %#x: %w", m.Raw(), cuda.ErrorInvalidHandle)
+		err = fmt.Errorf("pyep: fake: module %#x: %w", m.Raw(), driver.ErrorInvalidHandle)
 	}
 	if err == nil {
 		delete(d.modules, m.Raw())
@@ -848,16 +848,16 @@ func (d *Driver) ModuleUnload(m cuda.Module) error {
 	return err
 }
 
-func (d *Driver) function(f cuda.Function) (*function, error) {
+func (d *Driver) function(f driver.Function) (*function, error) {
 	fn, ok := d.functions[f.Raw()]
 	if !ok {
-		return nil, fmt.Errorf("pyep: fake: function %#x: %w", f.Raw(), cuda.ErrorInvalidHandle)
+		return nil, fmt.Errorf("pyep: fake: function %#x: %w", f.Raw(), driver.ErrorInvalidHandle)
 	}
 	return fn, nil
 }
 
 // FuncGetAttribute returns what FuncSetAttribute set (0 otherwise).
-func (d *Driver) FuncGetAttribute(f cuda.Function, attr cuda.FuncAttribute) (int, error) {
+func (d *Driver) FuncGetAttribute(f driver.Function, attr driver.FuncAttribute) (int, error) {
 	unlock, err := d.lock("FuncGetAttribute", true)
 	defer unlock()
 	if err != nil {
@@ -871,7 +871,7 @@ func (d *Driver) FuncGetAttribute(f cuda.Function, attr cuda.FuncAttribute) (int
 }
 
 // FuncSetAttribute records the attribute; LaunchKernel honours the dynamic shared memory limit.
-func (d *Driver) FuncSetAttribute(f cuda.Function, attr cuda.FuncAttribute, value int) error {
+func (d *Driver) FuncSetAttribute(f driver.Function, attr driver.FuncAttribute, value int) error {
 	unlock, err := d.lock("FuncSetAttribute", true)
 	defer unlock()
 	if err != nil {
@@ -881,15 +881,15 @@ func (d *Driver) FuncSetAttribute(f cuda.Function, attr cuda.FuncAttribute, valu
 	if err != nil {
 		return err
 	}
-	if attr == cuda.FuncAttrMaxDynamicSharedSizeBytes && (value < 0 || value > 232448) {
-		return fmt.Errorf("pyep: fake: %d bytes of dynamic shared memory: %w", value, cuda.ErrorInvalidValue)
+	if attr == driver.FuncAttrMaxDynamicSharedSizeBytes && (value < 0 || value > 232448) {
+		return fmt.Errorf("pyep: fake: %d bytes of dynamic shared memory: %w", value, driver.ErrorInvalidValue)
 	}
 	fn.attrs[attr] = value
 	return nil
 }
 
 // LaunchKernel checks the launch as the real driver would, then runs the kernel at once.
-func (d *Driver) LaunchKernel(f cuda.Function, grid, block [3]uint32, sharedBytes uint32, s cuda.Stream, args cuda.KernelArgs) error {
+func (d *Driver) LaunchKernel(f driver.Function, grid, block [3]uint32, sharedBytes uint32, s driver.Stream, args driver.KernelArgs) error {
 	d.w.mu.Lock()
 	err := d.enterCtx("LaunchKernel")
 	if err == nil {
@@ -901,12 +901,12 @@ func (d *Driver) LaunchKernel(f cuda.Function, grid, block [3]uint32, sharedByte
 	}
 	if err == nil {
 		threads := uint64(block[0]) * uint64(block[1]) * uint64(block[2])
-		limit := max(48<<10, fn.attrs[cuda.FuncAttrMaxDynamicSharedSizeBytes])
+		limit := max(48<<10, fn.attrs[driver.FuncAttrMaxDynamicSharedSizeBytes])
 		switch {
 		case grid[0] == 0 || grid[1] == 0 || grid[2] == 0 || threads == 0 || threads > 1024:
-			err = fmt.Errorf("pyep: fake: launching %s with grid %v, block %v: %w", fn.name, grid, block, cuda.ErrorInvalidValue)
+			err = fmt.Errorf("pyep: fake: launching %s with grid %v, block %v: %w", fn.name, grid, block, driver.ErrorInvalidValue)
 		case int(sharedBytes) > limit:
-			err = fmt.Errorf("pyep: fake: launching %s with %d bytes of dynamic shared memory, limit %d (FuncAttrMaxDynamicSharedSizeBytes): %w", fn.name, sharedBytes, limit, cuda.ErrorInvalidValue)
+			err = fmt.Errorf("pyep: fake: launching %s with %d bytes of dynamic shared memory, limit %d (FuncAttrMaxDynamicSharedSizeBytes): %w", fn.name, sharedBytes, limit, driver.ErrorInvalidValue)
 		}
 	}
 	d.w.mu.Unlock()
@@ -923,23 +923,23 @@ func (d *Driver) LaunchKernel(f cuda.Function, grid, block [3]uint32, sharedByte
 }
 
 // StreamCreate makes a stream; flags and priority are accepted and ignored.
-func (d *Driver) StreamCreate(flags cuda.StreamFlags, priority int) (cuda.Stream, error) {
+func (d *Driver) StreamCreate(flags driver.StreamFlags, priority int) (driver.Stream, error) {
 	unlock, err := d.lock("StreamCreate", true)
 	defer unlock()
 	if err != nil {
-		return cuda.Stream{}, err
+		return driver.Stream{}, err
 	}
 	h := d.handle()
 	d.streams[h] = true
-	return cuda.WrapStream(d, h), nil
+	return driver.WrapStream(d, h), nil
 }
 
 // StreamDestroy forgets a stream (not the default stream 0).
-func (d *Driver) StreamDestroy(s cuda.Stream) error {
+func (d *Driver) StreamDestroy(s driver.Stream) error {
 	unlock, err := d.lock("StreamDestroy", true)
 	defer unlock()
 	if err == nil && (s.Raw() == 0 || !d.streams[s.Raw()]) {
-		err = fmt.Errorf("pyep: fake: destroying stream %#x: %w", s.Raw(), cuda.ErrorInvalidHandle)
+		err = fmt.Errorf("pyep: fake: destroying stream %#x: %w", s.Raw(), driver.ErrorInvalidHandle)
 	}
 	if err == nil {
 		delete(d.streams, s.Raw())
@@ -948,7 +948,7 @@ func (d *Driver) StreamDestroy(s cuda.Stream) error {
 }
 
 // StreamSynchronize has nothing to wait for.
-func (d *Driver) StreamSynchronize(s cuda.Stream) error {
+func (d *Driver) StreamSynchronize(s driver.Stream) error {
 	unlock, err := d.lock("StreamSynchronize", true)
 	defer unlock()
 	if err == nil {
@@ -958,7 +958,7 @@ func (d *Driver) StreamSynchronize(s cuda.Stream) error {
 }
 
 // StreamQuery: always idle.
-func (d *Driver) StreamQuery(s cuda.Stream) (bool, error) {
+func (d *Driver) StreamQuery(s driver.Stream) (bool, error) {
 	unlock, err := d.lock("StreamQuery", true)
 	defer unlock()
 	if err == nil {
@@ -968,7 +968,7 @@ func (d *Driver) StreamQuery(s cuda.Stream) (bool, error) {
 }
 
 // StreamWaitEvent: work is done when queued, so there is nothing to wait for.
-func (d *Driver) StreamWaitEvent(s cuda.Stream, e cuda.Event) error {
+func (d *Driver) StreamWaitEvent(s driver.Stream, e driver.Event) error {
 	unlock, err := d.lock("StreamWaitEvent", true)
 	defer unlock()
 	if err == nil {
@@ -980,28 +980,28 @@ func (d *Driver) StreamWaitEvent(s cuda.Stream, e cuda.Event) error {
 	return err
 }
 
-func (d *Driver) event(e cuda.Event) (*event, error) {
+func (d *Driver) event(e driver.Event) (*event, error) {
 	ev, ok := d.events[e.Raw()]
 	if !ok {
-		return nil, fmt.Errorf("pyep: fake: event %#x: %w", e.Raw(), cuda.ErrorInvalidHandle)
+		return nil, fmt.Errorf("pyep: fake: event %#x: %w", e.Raw(), driver.ErrorInvalidHandle)
 	}
 	return ev, nil
 }
 
 // EventCreate makes an event.
-func (d *Driver) EventCreate(flags cuda.EventFlags) (cuda.Event, error) {
+func (d *Driver) EventCreate(flags driver.EventFlags) (driver.Event, error) {
 	unlock, err := d.lock("EventCreate", true)
 	defer unlock()
 	if err != nil {
-		return cuda.Event{}, err
+		return driver.Event{}, err
 	}
 	h := d.handle()
 	d.events[h] = &event{flags: flags}
-	return cuda.WrapEvent(d, h), nil
+	return driver.WrapEvent(d, h), nil
 }
 
 // EventRecord stamps the event with the host clock.
-func (d *Driver) EventRecord(e cuda.Event, s cuda.Stream) error {
+func (d *Driver) EventRecord(e driver.Event, s driver.Stream) error {
 	unlock, err := d.lock("EventRecord", true)
 	defer unlock()
 	if err == nil {
@@ -1018,7 +1018,7 @@ func (d *Driver) EventRecord(e cuda.Event, s cuda.Stream) error {
 }
 
 // EventQuery: always complete.
-func (d *Driver) EventQuery(e cuda.Event) (bool, error) {
+func (d *Driver) EventQuery(e driver.Event) (bool, error) {
 	unlock, err := d.lock("EventQuery", true)
 	defer unlock()
 	if err == nil {
@@ -1028,7 +1028,7 @@ func (d *Driver) EventQuery(e cuda.Event) (bool, error) {
 }
 
 // EventSynchronize has nothing to wait for.
-func (d *Driver) EventSynchronize(e cuda.Event) error {
+func (d *Driver) EventSynchronize(e driver.Event) error {
 	unlock, err := d.lock("EventSynchronize", true)
 	defer unlock()
 	if err == nil {
@@ -1038,7 +1038,7 @@ func (d *Driver) EventSynchronize(e cuda.Event) error {
 }
 
 // EventDestroy forgets an event.
-func (d *Driver) EventDestroy(e cuda.Event) error {
+func (d *Driver) EventDestroy(e driver.Event) error {
 	unlock, err := d.lock("EventDestroy", true)
 	defer unlock()
 	if err == nil {
@@ -1052,7 +1052,7 @@ func (d *Driver) EventDestroy(e cuda.Event) error {
 
 // EventElapsedTime is the host time between the records; like the real driver it refuses
 // events created with EventDisableTiming or never recorded.
-func (d *Driver) EventElapsedTime(start, end cuda.Event) (float32, error) {
+func (d *Driver) EventElapsedTime(start, end driver.Event) (float32, error) {
 	unlock, err := d.lock("EventElapsedTime", true)
 	defer unlock()
 	if err != nil {
@@ -1066,8 +1066,8 @@ func (d *Driver) EventElapsedTime(start, end cuda.Event) (float32, error) {
 	if err != nil {
 		return 0, err
 	}
-	if !a.recorded || !b.recorded || a.flags&cuda.EventDisableTiming != 0 || b.flags&cuda.EventDisableTiming != 0 {
-		return 0, fmt.Errorf("pyep: fake: elapsed time between untimed or unrecorded events: %w", cuda.ErrorInvalidHandle)
+	if !a.recorded || !b.recorded || a.flags&driver.EventDisableTiming != 0 || b.flags&driver.EventDisableTiming != 0 {
+		return 0, fmt.Errorf("pyep: fake: elapsed time between untimed or unrecorded events: %w", driver.ErrorInvalidHandle)
 	}
 	return float32(b.at.Sub(a.at).Seconds() * 1e3), nil
 }
