@@ -19,6 +19,9 @@ type Params struct {
 	// UseFabric allocates the NVLink-domain region through the backend's FabricAllocator, if
 	// it has one (cuda: cuMem handles instead of CUDA IPC); the cpu backend ignores it.
 	UseFabric bool
+	// Engines make the buffer's engines where the backend does not (engine.go); zero: the
+	// backend's.
+	Engines Engines
 }
 
 type state int

@@ -11,11 +11,20 @@ import (
 // NormalEngines (and siblings for low-latency and internode mode), makes the engines; the
 // compiled kernels stay shared per device, with the backend.
 
-// EngineEnv is what an engine is made for: the buffer's ranks and the size of every
+// EngineEnv is what an engine is made for: the buffer's backend and ranks and the size of every
 // NVLink-domain data region (each rank's region and its peers' are passed to every call).
 type EngineEnv struct {
+	Backend     Backend
 	Topo        Topology
 	NumNVLBytes int64
+}
+
+// Engines are the makers of a buffer's engines, one per mode, for an engine that lives outside
+// its backend's package (a per-mode package that imports the backend): the composition root
+// (goep/api) sets them in Params. A nil maker falls back to the backend's own (NormalEngines).
+// Low-latency and internode makers join Normal here.
+type Engines struct {
+	Normal func(EngineEnv) (NormalEngine, error)
 }
 
 // Engine is what every mode's engine has: Close releases what it holds, once the work it
@@ -64,7 +73,7 @@ func engineOf[E Engine](b *Buffer, slot *E, make func(EngineEnv) (E, error)) (E,
 	if any(*slot) != nil {
 		return *slot, nil
 	}
-	e, err := make(EngineEnv{Topo: b.topo, NumNVLBytes: b.params.NumNVLBytes})
+	e, err := make(EngineEnv{Backend: b.backend, Topo: b.topo, NumNVLBytes: b.params.NumNVLBytes})
 	if err != nil {
 		return zero, err
 	}
@@ -81,11 +90,14 @@ func (b *Buffer) NormalEngine() (NormalEngine, error) {
 }
 
 func (b *Buffer) normalEngineLocked() (NormalEngine, error) {
-	maker, ok := b.backend.(NormalEngines)
-	if !ok {
+	maker := b.params.Engines.Normal
+	if be, ok := b.backend.(NormalEngines); ok && maker == nil {
+		maker = be.NewNormalEngine
+	}
+	if maker == nil {
 		return nil, fmt.Errorf("normal mode is not available on the %s backend", b.backend.Name())
 	}
-	return engineOf(b, &b.normal, maker.NewNormalEngine)
+	return engineOf(b, &b.normal, maker)
 }
 
 // closeEngines closes every engine, newest first; b.mu is held.

@@ -1,10 +1,10 @@
 package goep
 
 import (
-	"os"
-	"strconv"
 	"sync/atomic"
 	"time"
+
+	"github.com/pyep/pyep/goep/env"
 )
 
 // DefaultTimeout bounds every wait on a peer unless PYEP_TIMEOUT_S or SetOpTimeout says
@@ -17,8 +17,8 @@ var opTimeout atomic.Int64
 
 func init() {
 	d := DefaultTimeout
-	if s, err := strconv.ParseFloat(os.Getenv("PYEP_TIMEOUT_S"), 64); err == nil && s > 0 {
-		d = time.Duration(s * float64(time.Second))
+	if t, ok := env.Timeout(); ok {
+		d = t
 	}
 	opTimeout.Store(int64(d))
 }

@@ -4,8 +4,8 @@
 // become compile-time constants (-DPYEP_HIDDEN_BYTES=...) that the compiler can unroll around.
 //
 // Conventions for files here:
-//   - kernels include only our own headers (utils.cuh, protocol.cuh and other *.cuh at this root):
-//     NVRTC is given no toolkit headers, so <cuda_bf16.h> and friends are not available; under
+//   - kernels include only our own headers (utils.cuh, protocol.cuh, params.h and other *.cuh at
+//     this root): NVRTC is given no toolkit headers, so <cuda_bf16.h> and friends are not available; under
 //     PYEP_EMU (the emulator, goep/cuda/emu) emu.h stands in for utils.cuh;
 //   - entry points are declared in namespace pyep (the emulator finds them there);
 //   - entry points are extern "C" so that the host looks them up by their plain names;
@@ -16,7 +16,8 @@ package kernels
 
 import "embed"
 
-// FS holds every kernel source (*.cu) and header (*.cuh) at its root.
+// FS holds every kernel source (*.cu) and header (*.cuh; params.h, plain C that Go includes
+// too) at its root.
 //
-//go:embed *.cu *.cuh
+//go:embed *.cu *.cuh *.h
 var FS embed.FS

@@ -77,6 +77,10 @@
 
 namespace pyep {
 
+// The host-kernel ABI, in this namespace so that the protocol helpers find this file's
+// functions of a Ctx (argument-dependent lookup).
+#include "params.h"
+
 #ifndef PYEP_RANKS
 #define PYEP_RANKS 2
 #endif
@@ -93,21 +97,8 @@ constexpr int kWarps = kThreads / 32;
 static_assert(kRanks >= 1 && kRanks <= 8, "1 to 8 ranks");
 static_assert(kThreads % 32 == 0 && kWarps >= kRanks + 1, "a warp per rank at least, plus one");
 
-// Everything a kernel needs about the call and the domain; mirrored by the host (goep/cuda).
-struct Ctx {
-    u64 data[8];        // data region of NVLink rank i, as mapped here
-    u64 ctl[8];         // control region of NVLink rank i
-    u64 err;            // OpError in host-mapped memory
-    u64 seq;            // this call's first barrier number (the second is seq + 1)
-    u64 timeout_ns;     // bound of every wait
-    u64 counter_bytes;  // tails and heads: the first counter_bytes of every data region
-    u64 head_off;       // offset of the heads array
-    i32 rank;           // this rank's NVLink rank
-    i32 num_channels;   // C
-    i32 ring_slots;     // slots of every ring (num_max_nvl_chunked_recv_tokens)
-    i32 chunk;          // num_max_nvl_chunked_send_tokens (unused: warps publish as they go)
-};
-static_assert(sizeof(Ctx) == 184, "Ctx layout is shared with the host");
+// Everything a kernel needs about the call and the domain (params.h, shared with the host).
+typedef pyep_ctx Ctx;
 
 // The ranks that protocol.cuh's barrier and abort reach.
 PYEP_DEVICE constexpr int domain_ranks(const Ctx&) { return kRanks; }
@@ -128,43 +119,10 @@ PYEP_DEVICE void channel_range(i32 num_tokens, i32 num_channels, i32 c, i32& lo,
 
 constexpr int kNotifyThreads = PYEP_NOTIFY_THREADS;
 
-struct NotifyParams {
-    Ctx ctx;
-    u64 in_rank;              // bool [T, R]
-    u64 per_rank;             // i32 [R]
-    u64 per_expert;           // i32 [E]
-    u64 topk;                 // i64 [T, K], or 0
-    u64 rank_prefix;          // out i32 [R, R]
-    u64 channel_prefix;       // out i32 [R, C]
-    u64 recv_channel_prefix;  // out i32 [R, C]
-    u64 recv_per_expert;      // out i32 [E/R]
-    u64 result;               // NotifyResult in host-mapped memory
-    u64 scratch_off;          // the scratch: R blocks of block_bytes, in every data region
-    u64 block_bytes;
-    i32 num_tokens, num_topk, num_experts, alignment;
-    i32 num_worst;
-    // Rows this rank allocated for a dispatch launched before the host learns the counts
-    // (0: none). It runs only if every rank's rows fit: notify then writes its seq at kCtlGo.
-    i32 capacity;
-    // The last get_dispatch_layout's record of a bad index (layout.cu; 0: no layout yet) and
-    // its tag: a match fails this dispatch on every rank.
-    u64 layout_rec, layout_tag;
-};
-static_assert(sizeof(NotifyParams) == 312, "NotifyParams layout is shared with the host");
+typedef pyep_notify_params NotifyParams;  // params.h
 
-// Host-mapped answer of notify; the host waits for tag == seq.
-struct NotifyResult {
-    u64 tag;
-    i32 num_recv;
-    i32 status;       // a kStatus
-    i32 bad_rank;     // kStatusPeer: the peer; kStatusWorst: the rank receiving most
-    i32 peer_status;  // kStatusPeer: the peer's own status
-    i64 d0, d1, d2;
-    i32 go;  // with a capacity: every rank's rows fit, the speculative dispatch runs
-    i32 pad;
-    // followed by i32 per_expert[E/R]
-};
-static_assert(sizeof(NotifyResult) == 56, "NotifyResult layout is shared with the host");
+// Host-mapped answer of notify; the host waits for tag == seq (params.h).
+typedef pyep_notify_result NotifyResult;
 
 enum : i32 {
     kStatusOK = 0,
@@ -413,11 +371,7 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads, 1) pyep_notify(cons
 // ---------------------------------------------------------------------------------------------
 // Prologue of a cached dispatch or a combine: barrier, reset our counters, barrier.
 
-struct PrologueParams {
-    Ctx ctx;
-    i32 op, pad;
-};
-static_assert(sizeof(PrologueParams) == 192, "PrologueParams layout is shared with the host");
+typedef pyep_prologue_params PrologueParams;  // params.h
 
 extern "C" __global__ void __launch_bounds__(256, 1) pyep_prologue(const PrologueParams p) {
     const Ctx& ctx = p.ctx;
@@ -531,20 +485,7 @@ constexpr int kVec = PYEP_VEC;
 static_assert(kHiddenBytes % kVec == 0 && kScalesBytes % 4 == 0, "rows are whole vectors");
 typedef typename Vec<kVec>::T V;
 
-struct DispatchParams {
-    Ctx ctx;
-    u64 x, x_scales, topk, weights, in_rank, rank_prefix, channel_prefix;
-    u64 recv_x, recv_scales, recv_src, recv_topk, recv_weights, recv_channel_prefix, send_head;
-    u64 off_hidden, off_scales, off_src, off_topk, off_weights;  // slot field arrays, all rings
-    i32 num_tokens, num_experts, num_out_rows;
-    // Scale j of token t is word t * scale_token_stride + j * scale_stride of x_scales: DeepEP's
-    // callers pass column-major scales (strides 1, num_tokens) as often as row-major ones.
-    i32 scale_token_stride, scale_stride, pad;
-    // A speculative dispatch (launched behind its notify, into num_out_rows allocated rows):
-    // that notify's seq, and the kernel runs only if the notify left it at kCtlGo. 0: runs.
-    u64 go_seq;
-};
-static_assert(sizeof(DispatchParams) == 368, "DispatchParams layout is shared with the host");
+typedef pyep_dispatch_params DispatchParams;  // params.h
 
 // One warp copies token tok of x into slot gs (ring * slots + slot) of rank d's rings.
 PYEP_DEVICE void push_token(const DispatchParams& p, int d, i64 gs, i32 tok, int lane) {
@@ -827,13 +768,7 @@ static_assert(kVec >= kElem && kRowBytes % kVec == 0, "rows are whole vectors of
 typedef typename Vec<kVec>::T V;
 constexpr int kReducers = kWarps - 1;
 
-struct CombineParams {
-    Ctx ctx;
-    u64 x, weights, src_idx, rank_prefix, channel_prefix, send_head, bias0, bias1, out, out_weights;
-    u64 off_row, off_src, off_weights;
-    i32 num_tokens, num_rows, pad0, pad1;
-};
-static_assert(sizeof(CombineParams) == 304, "CombineParams layout is shared with the host");
+typedef pyep_combine_params CombineParams;  // params.h
 
 union VecElems {
     V v;

@@ -21,6 +21,9 @@
 
 namespace pyep {
 
+// The host-kernel ABI.
+#include "params.h"
+
 #ifndef PYEP_LAYOUT_THREADS
 #define PYEP_LAYOUT_THREADS 512
 #endif
@@ -31,16 +34,7 @@ namespace pyep {
 constexpr int kLayoutThreads = PYEP_LAYOUT_THREADS;
 constexpr int kExpertsPerBlock = PYEP_LAYOUT_EXPERTS_PER_BLOCK;
 
-struct LayoutParams {
-    u64 topk;        // i64 [T, K]
-    u64 per_rank;    // out i32 [R]
-    u64 per_expert;  // out i32 [E]
-    u64 in_rank;     // out bool [T, R]
-    u64 result;      // host-mapped u64 [3], written only on a bad index: tag, token << 32 | choice, value
-    u64 tag;
-    i32 num_tokens, num_topk, num_experts, num_ranks;
-};
-static_assert(sizeof(LayoutParams) == 64, "LayoutParams layout is shared with the host");
+typedef pyep_layout_params LayoutParams;  // params.h
 
 extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1) pyep_layout(const LayoutParams p) {
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;

@@ -15,7 +15,8 @@ import (
 
 	"github.com/pyep/pyep/goep"
 	"github.com/pyep/pyep/goep/cuda"
-	"github.com/pyep/pyep/goep/cuda/fake"
+	"github.com/pyep/pyep/goep/cuda/driver"
+	"github.com/pyep/pyep/goep/cuda/driver/fake"
 )
 
 // Tests of use_fabric (Backend.AllocateFabric) over fake GPUs: the memory is cuMemCreate's,
@@ -96,7 +97,7 @@ func TestAllocateFabricKinds(t *testing.T) {
 			fds := openFDs(t)
 			if c.fail != "" {
 				for _, r := range rk {
-					r.drv.FailNext(c.fail, cuda.ErrorNotPermitted)
+					r.drv.FailNext(c.fail, driver.ErrorNotPermitted)
 				}
 			}
 			locals, tokens := fabricDomain(t, rk, size)
@@ -104,7 +105,7 @@ func TestAllocateFabricKinds(t *testing.T) {
 				assert.Equal(t, c.want, cuda.TokenKind(tokens[r]), "rank %d", r)
 				all := mem(t, rk[r].drv, locals[r].Control(), goep.ControlBytes+size)
 				assert.Equal(t, make([]byte, len(all)), all, "control and data are zeroed")
-				ord, err := rk[r].drv.PointerGetAttribute(cuda.PointerAttrDeviceOrdinal, cuda.PtrOf(locals[r].Data()))
+				ord, err := rk[r].drv.PointerGetAttribute(driver.PointerAttrDeviceOrdinal, cuda.PtrOf(locals[r].Data()))
 				require.NoError(t, err)
 				assert.EqualValues(t, r, ord, "on the rank's own GPU")
 			}
@@ -200,9 +201,9 @@ func TestAllocateFabricFailureLeaksNothing(t *testing.T) {
 				ops = append(ops, "MemExportToFabric")
 			}
 			for _, op := range ops {
-				rk[0].drv.FailNext(op, cuda.ErrorOutOfMemory)
+				rk[0].drv.FailNext(op, driver.ErrorOutOfMemory)
 				_, err := rk[0].be.AllocateFabric(1024, 1)
-				assert.ErrorIs(t, err, cuda.ErrorOutOfMemory, op)
+				assert.ErrorIs(t, err, driver.ErrorOutOfMemory, op)
 				assert.Equal(t, live, rk[0].drv.Live(), "failed %s leaks", op)
 				sameFDs(t, fds, "failed %s leaks a descriptor", op)
 			}
@@ -217,9 +218,9 @@ func TestAllocateFabricAutoKeepsOutOfMemory(t *testing.T) {
 	var log bytes.Buffer
 	defer cuda.CaptureFallbackLog(&log)()
 	rk := newFabricRanks(t, 1, fake.Config{Fabric: true}, time.Second)
-	rk[0].drv.FailNext("MemCreate", cuda.ErrorOutOfMemory)
+	rk[0].drv.FailNext("MemCreate", driver.ErrorOutOfMemory)
 	_, err := rk[0].be.AllocateFabric(1024, 1)
-	assert.ErrorIs(t, err, cuda.ErrorOutOfMemory)
+	assert.ErrorIs(t, err, driver.ErrorOutOfMemory)
 	assert.Empty(t, log.String())
 	l, err := rk[0].be.AllocateFabric(1024, 1)
 	require.NoError(t, err)
@@ -256,9 +257,9 @@ func TestOpenSharedChecks(t *testing.T) {
 
 			// A failing mapping step leaves nothing behind.
 			for _, op := range []string{"MemAddressReserve", "MemMap", "MemSetAccess", "MemcpyAsync"} {
-				rk[1].drv.FailNext(op, cuda.ErrorInvalidValue)
+				rk[1].drv.FailNext(op, driver.ErrorInvalidValue)
 				_, err = rk[1].be.Open(l.Token(), 512)
-				assert.ErrorIs(t, err, cuda.ErrorInvalidValue, op)
+				assert.ErrorIs(t, err, driver.ErrorInvalidValue, op)
 				assert.Equal(t, live, rk[1].drv.Live(), "failed %s leaks", op)
 				sameFDs(t, fds, "failed %s leaks a descriptor", op)
 			}
@@ -271,7 +272,7 @@ func TestOpenSharedChecks(t *testing.T) {
 				assert.ErrorContains(t, err, "receiving the buffer's file descriptor from process rank0 over @pyep-")
 				assert.ErrorContains(t, err, "the buffer was destroyed or its process exited")
 			} else {
-				assert.ErrorIs(t, err, cuda.ErrorInvalidValue)
+				assert.ErrorIs(t, err, driver.ErrorInvalidValue)
 			}
 			assert.Equal(t, live, rk[1].drv.Live())
 			sameFDs(t, fds0)

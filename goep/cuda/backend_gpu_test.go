@@ -17,13 +17,14 @@ import (
 
 	"github.com/pyep/pyep/goep"
 	"github.com/pyep/pyep/goep/cuda"
+	"github.com/pyep/pyep/goep/cuda/driver"
 )
 
 // Tests of the Backend over the real driver: they skip, saying why, without libcuda or GPUs.
 
-func realDriver(t *testing.T, gpus int) cuda.Driver {
+func realDriver(t *testing.T, gpus int) driver.Driver {
 	t.Helper()
-	drv, err := cuda.Open()
+	drv, err := driver.Open()
 	if err != nil {
 		t.Skipf("no CUDA driver, so no real-GPU backend test: %v", err)
 	}
@@ -36,7 +37,7 @@ func realDriver(t *testing.T, gpus int) cuda.Driver {
 }
 
 // readBack copies device memory to the host in the backend's context.
-func readBack(t *testing.T, be *cuda.Backend, p cuda.DevicePtr, n int) []byte {
+func readBack(t *testing.T, be *cuda.Backend, p driver.DevicePtr, n int) []byte {
 	t.Helper()
 	exit, err := be.Enter()
 	defer exit()
@@ -46,7 +47,7 @@ func readBack(t *testing.T, be *cuda.Backend, p cuda.DevicePtr, n int) []byte {
 	return out
 }
 
-func fill(t *testing.T, be *cuda.Backend, p cuda.DevicePtr, v byte, n int) {
+func fill(t *testing.T, be *cuda.Backend, p driver.DevicePtr, v byte, n int) {
 	t.Helper()
 	exit, err := be.Enter()
 	defer exit()
@@ -67,9 +68,9 @@ func TestGPUBackend(t *testing.T) {
 	require.NoError(t, err)
 	ctrl := cuda.PtrOf(l.Control())
 	assert.Equal(t, make([]byte, goep.ControlBytes+size), readBack(t, be, ctrl, goep.ControlBytes+size), "zeroed")
-	kind, err := drv.PointerGetAttribute(cuda.PointerAttrMemoryType, cuda.PtrOf(l.Data()))
+	kind, err := drv.PointerGetAttribute(driver.PointerAttrMemoryType, cuda.PtrOf(l.Data()))
 	require.NoError(t, err)
-	assert.EqualValues(t, cuda.MemoryTypeDevice, kind)
+	assert.EqualValues(t, driver.MemoryTypeDevice, kind)
 	require.NoError(t, l.Close())
 
 	rdma, err := be.AllocateRDMA(1 << 16)
@@ -218,7 +219,7 @@ func TestGPUAllocateFabric(t *testing.T) {
 	be, err := cuda.NewBackend(drv, 0, cuda.BackendOptions{Timeout: 20 * time.Second})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, be.Close()) }()
-	for _, attr := range []cuda.DeviceAttribute{cuda.AttrVirtualMemoryManagement, cuda.AttrHandleTypePosixFD, cuda.AttrHandleTypeFabric} {
+	for _, attr := range []driver.DeviceAttribute{driver.AttrVirtualMemoryManagement, driver.AttrHandleTypePosixFD, driver.AttrHandleTypeFabric} {
 		v, err := be.Device().Attribute(attr)
 		require.NoError(t, err)
 		t.Logf("device attribute %d: %d", attr, v)
@@ -246,9 +247,9 @@ func TestGPUAllocateFabric(t *testing.T) {
 			}
 			ctrl := cuda.PtrOf(l.Control())
 			assert.Equal(t, make([]byte, goep.ControlBytes+size), readBack(t, be, ctrl, goep.ControlBytes+size), "zeroed")
-			kind, err := drv.PointerGetAttribute(cuda.PointerAttrMemoryType, cuda.PtrOf(l.Data()))
+			kind, err := drv.PointerGetAttribute(driver.PointerAttrMemoryType, cuda.PtrOf(l.Data()))
 			require.NoError(t, err)
-			assert.EqualValues(t, cuda.MemoryTypeDevice, kind)
+			assert.EqualValues(t, driver.MemoryTypeDevice, kind)
 			fill(t, be, cuda.PtrOf(l.Data()).Add(size-1), 1, 1)
 			require.NoError(t, l.Close())
 			free1, _, err := func() (int, int, error) {

@@ -14,7 +14,8 @@ import (
 
 	"github.com/pyep/pyep/goep"
 	"github.com/pyep/pyep/goep/cuda"
-	"github.com/pyep/pyep/goep/cuda/fake"
+	"github.com/pyep/pyep/goep/cuda/driver"
+	"github.com/pyep/pyep/goep/cuda/driver/fake"
 )
 
 // links is a fake NVLinkProbe: every pair is connected except those listed, by bus ids.
@@ -73,7 +74,7 @@ func closeRanks(t *testing.T, ranks []rank) {
 	for r, rk := range ranks {
 		require.NoError(t, rk.be.Close())
 		assert.Zero(t, rk.drv.Live(), "rank %d leaks", r)
-		assert.ErrorIs(t, rk.drv.DevicePrimaryCtxRelease(rk.be.Device()), cuda.ErrorInvalidContext, "rank %d: the context was released", r)
+		assert.ErrorIs(t, rk.drv.DevicePrimaryCtxRelease(rk.be.Device()), driver.ErrorInvalidContext, "rank %d: the context was released", r)
 	}
 }
 
@@ -97,7 +98,7 @@ func TestBackendBasics(t *testing.T) {
 	require.NoError(t, err)
 	ctrl, data := cuda.PtrOf(l.Control()), cuda.PtrOf(l.Data())
 	assert.Equal(t, ctrl+goep.ControlBytes, data, "data follows control")
-	start, err := rk[0].drv.PointerGetAttribute(cuda.PointerAttrRangeStartAddr, ctrl)
+	start, err := rk[0].drv.PointerGetAttribute(driver.PointerAttrRangeStartAddr, ctrl)
 	require.NoError(t, err)
 	assert.EqualValues(t, cuda.HeaderBytes, uint64(ctrl)-start, "the backend's header precedes control")
 	all := mem(t, rk[0].drv, l.Control(), goep.ControlBytes+size)
@@ -135,7 +136,7 @@ func TestBackendMakesItsContextCurrent(t *testing.T) {
 	require.NoError(t, other.MakeCurrent())
 	l, err := rk[1].be.Allocate(256, 1)
 	require.NoError(t, err)
-	ord, err := d.PointerGetAttribute(cuda.PointerAttrDeviceOrdinal, cuda.PtrOf(l.Data()))
+	ord, err := d.PointerGetAttribute(driver.PointerAttrDeviceOrdinal, cuda.PtrOf(l.Data()))
 	require.NoError(t, err)
 	assert.EqualValues(t, 1, ord, "allocated on the backend's device, not the current one")
 	require.NoError(t, l.Close())
@@ -147,9 +148,9 @@ func TestBackendAllocateFailureLeaksNothing(t *testing.T) {
 	rk := newRanks(t, 1, &links{}, time.Second)
 	live := rk[0].drv.Live()
 	for _, op := range []string{"MemAlloc", "MemsetD8Async", "MemcpyAsync", "IpcGetMemHandle"} {
-		rk[0].drv.FailNext(op, cuda.ErrorOutOfMemory)
+		rk[0].drv.FailNext(op, driver.ErrorOutOfMemory)
 		_, err := rk[0].be.Allocate(1024, 1)
-		assert.ErrorIs(t, err, cuda.ErrorOutOfMemory, op)
+		assert.ErrorIs(t, err, driver.ErrorOutOfMemory, op)
 		assert.Equal(t, live, rk[0].drv.Live(), "failed %s leaks", op)
 	}
 	closeRanks(t, rk)
@@ -449,7 +450,7 @@ func TestBackendOpenChecks(t *testing.T) {
 	stale := l.Token()
 	require.NoError(t, l.Close())
 	_, err = rk[1].be.Open(stale, 512)
-	assert.ErrorIs(t, err, cuda.ErrorInvalidValue)
+	assert.ErrorIs(t, err, driver.ErrorInvalidValue)
 	assert.Equal(t, live, rk[1].drv.Live())
 	closeRanks(t, rk)
 }

@@ -8,6 +8,7 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda/driver"
 	"github.com/pyep/pyep/goep/lowlatency"
 )
 
@@ -57,13 +58,13 @@ type LowLatency struct {
 	mu       sync.Mutex
 	rank, n  int
 	bytes    int64
-	base     DevicePtr // this rank's region
-	peersDev DevicePtr // u64 [n]: every rank's region as mapped here
-	sharing  int       // ranks on this GPU
+	base     driver.DevicePtr // this rank's region
+	peersDev driver.DevicePtr // u64 [n]: every rank's region as mapped here
+	sharing  int              // ranks on this GPU
 	timeout  time.Duration
-	localDev DevicePtr // llLocalBytes: the kernels' own counters
+	localDev driver.DevicePtr // llLocalBytes: the kernels' own counters
 	errHost  unsafe.Pointer
-	errDev   DevicePtr
+	errDev   driver.DevicePtr
 	calls    uint64     // calls since clean: the next call's half is calls % 2
 	pending  [2]*LLRecv // the receive of the call on each half that awaits its hook
 	params   *llParams
@@ -136,7 +137,7 @@ func (e *LowLatency) Close() error {
 // LLRecv is the receive phase of a call launched with a hook.
 type LLRecv struct {
 	e      *LowLatency
-	f      Function
+	f      driver.Function
 	params llParams
 	opts   NormalOptions
 	done   bool
@@ -235,11 +236,11 @@ func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error
 	return r, nil
 }
 
-func (e *LowLatency) launch(f Function, s Stream, p *llParams, o NormalOptions) error {
+func (e *LowLatency) launch(f driver.Function, s driver.Stream, p *llParams, o NormalOptions) error {
 	grid := o.LowLatencyBlocks
 	if grid == 0 {
 		// One block an SM, shared fairly among the ranks on this GPU (MPS runs their kernels at once).
-		sms, err := e.b.dev.Attribute(AttrMultiprocessorCount)
+		sms, err := e.b.dev.Attribute(driver.AttrMultiprocessorCount)
 		if err != nil {
 			return err
 		}
@@ -248,7 +249,7 @@ func (e *LowLatency) launch(f Function, s Stream, p *llParams, o NormalOptions) 
 	if err := f.Launch([3]uint32{uint32(grid), 1, 1}, [3]uint32{uint32(o.LowLatencyThreads), 1, 1}, 0, s, unsafe.Pointer(p)); err != nil {
 		return err
 	}
-	e.b.lastLaunch.Store(monotonicNS())
+	e.b.lastLaunch.Store(driver.MonotonicNS())
 	return nil
 }
 

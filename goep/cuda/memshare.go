@@ -7,6 +7,9 @@ import (
 	"os"
 	"strings"
 	"sync"
+
+	"github.com/pyep/pyep/goep/cuda/driver"
+	"github.com/pyep/pyep/goep/env"
 )
 
 // use_fabric: NVLink-domain buffers made with cuMemCreate and shared through cuMem handles
@@ -16,7 +19,7 @@ import (
 // (fdshare_linux.go).
 
 // MemHandleEnv forces the handle kind of use_fabric buffers: auto (the default), fabric or fd.
-const MemHandleEnv = "PYEP_MEM_HANDLE"
+const MemHandleEnv = env.MemHandle
 
 type handleMode int
 
@@ -29,7 +32,7 @@ const (
 // memHandleMode reads MemHandleEnv now, so that a change made before a Buffer's creation
 // counts.
 func memHandleMode() (handleMode, error) {
-	switch v := strings.ToLower(strings.TrimSpace(getenv(MemHandleEnv))); v {
+	switch v := strings.ToLower(strings.TrimSpace(env.Get(MemHandleEnv))); v {
 	case "", "auto":
 		return modeAuto, nil
 	case "fabric":
@@ -67,7 +70,7 @@ func (b *Backend) useFD(why error) {
 
 // sharedKinds are the kinds to try for a use_fabric allocation in mode, in order.
 func (b *Backend) sharedKinds(mode handleMode) ([]memKind, error) {
-	vmm, err := b.dev.Attribute(AttrVirtualMemoryManagement)
+	vmm, err := b.dev.Attribute(driver.AttrVirtualMemoryManagement)
 	if err != nil {
 		return nil, err
 	}
@@ -75,11 +78,11 @@ func (b *Backend) sharedKinds(mode handleMode) ([]memKind, error) {
 		return nil, fmt.Errorf("pyep: cuda: use_fabric: device %d has no virtual memory management "+
 			"(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0), which cuMem handles need: use use_fabric=False", b.dev.Ordinal())
 	}
-	fabric, err := b.dev.Attribute(AttrHandleTypeFabric)
+	fabric, err := b.dev.Attribute(driver.AttrHandleTypeFabric)
 	if err != nil {
 		return nil, err
 	}
-	fd, err := b.dev.Attribute(AttrHandleTypePosixFD)
+	fd, err := b.dev.Attribute(driver.AttrHandleTypePosixFD)
 	if err != nil {
 		return nil, err
 	}
@@ -131,7 +134,7 @@ func (b *Backend) allocateShared(size int64, mode handleMode) (*localRegion, err
 			return l, nil
 		case kind == kindFabric && mode == modeFabric:
 			return nil, fmt.Errorf("pyep: cuda: %s=fabric: device %d: %w; %s", MemHandleEnv, b.dev.Ordinal(), err, fabricNeeds)
-		case kind == kindFabric && i+1 < len(kinds) && !errors.Is(err, ErrorOutOfMemory):
+		case kind == kindFabric && i+1 < len(kinds) && !errors.Is(err, driver.ErrorOutOfMemory):
 			b.useFD(err)
 		default:
 			return nil, err
@@ -143,11 +146,11 @@ func (b *Backend) allocateShared(size int64, mode handleMode) (*localRegion, err
 // allocateVMM makes a region of kind kindFD or kindFabric: cuMemCreate memory on this device,
 // exported, mapped here, zeroed, with its header; a descriptor is served until Close.
 func (b *Backend) allocateVMM(size int64, kind memKind) (_ *localRegion, err error) {
-	prop := MemAllocationProp{Location: b.dev, HandleTypes: MemHandlePosixFD}
+	prop := driver.MemAllocationProp{Location: b.dev, HandleTypes: driver.MemHandlePosixFD}
 	if kind == kindFabric {
-		prop.HandleTypes = MemHandleFabric
+		prop.HandleTypes = driver.MemHandleFabric
 	}
-	gran, err := b.drv.MemGetAllocationGranularity(prop, GranularityMinimum)
+	gran, err := b.drv.MemGetAllocationGranularity(prop, driver.GranularityMinimum)
 	if err != nil {
 		return nil, err
 	}
@@ -167,7 +170,7 @@ func (b *Backend) allocateVMM(size int64, kind memKind) (_ *localRegion, err err
 		return nil, err
 	}
 	l.mem.held = true
-	var fabric FabricHandle
+	var fabric driver.FabricHandle
 	if kind == kindFabric {
 		fabric, err = b.drv.MemExportToFabric(l.mem.handle)
 	} else {
@@ -199,9 +202,9 @@ func (b *Backend) allocateVMM(size int64, kind memKind) (_ *localRegion, err err
 // vmem is cuMem memory as this process holds it: a handle (made or imported), the address
 // range reserved for it and the mapping there, each undone by releaseVMM.
 type vmem struct {
-	handle                 MemHandle
+	handle                 driver.MemHandle
 	size                   int
-	base                   DevicePtr
+	base                   driver.DevicePtr
 	held, reserved, mapped bool
 }
 
@@ -216,7 +219,7 @@ func (b *Backend) mapVMM(v *vmem) error {
 		return err
 	}
 	v.mapped = true
-	return b.drv.MemSetAccess(p, v.size, b.dev, MemAccessReadWrite)
+	return b.drv.MemSetAccess(p, v.size, b.dev, driver.MemAccessReadWrite)
 }
 
 // releaseVMM unmaps, frees the range and releases the handle, as far as they were made; the

@@ -1,54 +1,38 @@
+//go:build cgo
+
 package cuda
 
-// The host side of the kernels' parameter structs and records: the kernels (kernels/intranode.cu,
-// layout.cu) static_assert the same sizes, and TestNormalParamLayouts checks these.
+/*
+#include "../../kernels/params.h"
+*/
+import "C"
 
-type kctx struct {
-	Data, Ctl                                  [8]uint64
-	Err, Seq, TimeoutNS, CounterBytes, HeadOff uint64
-	Rank, NumChannels, RingSlots, Chunk        int32
-}
+import "unsafe"
 
-type notifyParams struct {
-	Ctx                                                         kctx
-	InRank, PerRank, PerExpert, Topk, RankPrefix, ChannelPrefix uint64
-	RecvChannelPrefix, RecvPerExpert, Result, ScratchOff        uint64
-	BlockBytes                                                  uint64
-	NumTokens, NumTopk, NumExperts, Alignment, NumWorst         int32
-	Capacity                                                    int32
-	LayoutRec, LayoutTag                                        uint64
-}
+// The launch parameter structs and notify's answer are kernels/params.h's, which the kernels
+// include too: one declaration, laid out by the C compiler (the header asserts the sizes on
+// both sides). Go writes their fields by their C names.
+type (
+	kctx           = C.struct_pyep_ctx
+	notifyParams   = C.struct_pyep_notify_params
+	notifyResult   = C.struct_pyep_notify_result
+	prologueParams = C.struct_pyep_prologue_params
+	dispatchParams = C.struct_pyep_dispatch_params
+	combineParams  = C.struct_pyep_combine_params
+	layoutParams   = C.struct_pyep_layout_params
+)
 
-type prologueParams struct {
-	Ctx     kctx
-	Op, Pad int32
-}
+// u64 and i32 are values of the header's integer types.
+func u64[T ~uint64 | ~int64 | ~int](v T) C.pyep_u64 { return C.pyep_u64(v) }
+func i32[T ~int32 | ~int](v T) C.pyep_i32           { return C.pyep_i32(v) }
 
-type dispatchParams struct {
-	Ctx                                                                  kctx
-	X, XScales, Topk, Weights, InRank, RankPrefix, ChannelPrefix         uint64
-	RecvX, RecvScales, RecvSrc, RecvTopk, RecvWeights, RecvChannelPrefix uint64
-	SendHead                                                             uint64
-	OffHidden, OffScales, OffSrc, OffTopk, OffWeights                    uint64
-	NumTokens, NumExperts, NumOutRows, ScaleTokenStride                  int32
-	ScaleStride, Pad                                                     int32
-	GoSeq                                                                uint64
-}
+// notifyTag is where notify's answer is complete: its tag, which the kernel writes last.
+func notifyTag(r *notifyResult) *uint64 { return (*uint64)(unsafe.Pointer(&r.tag)) }
 
-type combineParams struct {
-	Ctx                                                            kctx
-	X, Weights, SrcIdx, RankPrefix, ChannelPrefix, SendHead, Bias0 uint64
-	Bias1, Out, OutWeights                                         uint64
-	OffRow, OffSrc, OffWeights                                     uint64
-	NumTokens, NumRows, Pad0, Pad1                                 int32
-}
+const notifyResultBytes = int(unsafe.Sizeof(notifyResult{}))
 
-type layoutParams struct {
-	Topk, PerRank, PerExpert, InRank, Result, Tag uint64
-	NumTokens, NumTopk, NumExperts, NumRanks      int32
-}
-
-// opError is the kernels' error record (OpError in intranode.cu).
+// opError is the kernels' error record (OpError in intranode.cu, whose static_assert checks
+// the size): the kernels' device protocol, read by the host.
 type opError struct {
 	Code                    uint32
 	Op, Rank, Channel, Peer int32
@@ -57,19 +41,4 @@ type opError struct {
 	WaitedNS, AbortWord     uint64
 }
 
-// notifyResult is notify's answer (NotifyResult in intranode.cu), followed by the per-expert
-// counts.
-type notifyResult struct {
-	Tag                                  uint64
-	NumRecv, Status, BadRank, PeerStatus int32
-	D0, D1, D2                           int64
-	Go, Pad                              int32
-}
-
-// Sizes the kernels static_assert or declare.
-const (
-	ctxBytes          = 184
-	notifyParamsBytes = 312
-	opErrorBytes      = 64
-	notifyResultBytes = 56
-)
+const opErrorBytes = 64

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -5,6 +7,7 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda/driver"
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
@@ -42,7 +45,7 @@ func (e *normalEngine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 
 // prepareDispatch checks a dispatch whose rings must end by limit (the region's end, or the
 // scratch of the notify before it) and finds its kernel.
-func (e *normalEngine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.DispatchOp, limit int64) (f Function, off [5]int64, err error) {
+func (e *normalEngine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.DispatchOp, limit int64) (f driver.Function, off [5]int64, err error) {
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	slots := a.Config.NumMaxNVLChunkedRecvTokens
 	// goep checked the top-k and the experts; the row sizes are this engine's limits.
@@ -73,20 +76,20 @@ func (e *normalEngine) prepareDispatch(st *bufferState, topo goep.Topology, a *g
 // speculative dispatch run (0: it runs).
 func (e *normalEngine) fillDispatch(st *bufferState, topo goep.Topology, peers []goep.Region, a *goep.DispatchOp, off [5]int64, goSeq uint64) {
 	p := &e.params.dispatch
-	e.fillCtx(&p.Ctx, st, topo, peers, a.Config)
-	p.X, p.XScales, p.Topk, p.Weights, p.InRank = ptr(a.X), ptr(a.XScales), ptr(a.TopkIdx), ptr(a.TopkWeights), ptr(a.InRank)
-	p.RankPrefix, p.ChannelPrefix = ptr(a.RankPrefix), ptr(a.ChannelPrefix)
-	p.RecvX, p.RecvScales, p.RecvSrc = ptr(a.RecvX), ptr(a.RecvXScales), ptr(a.RecvSrcIdx)
-	p.RecvTopk, p.RecvWeights = ptr(a.RecvTopkIdx), ptr(a.RecvTopkWeights)
-	p.RecvChannelPrefix, p.SendHead = ptr(a.RecvChannelPrefix), ptr(a.SendHead)
-	p.OffHidden, p.OffScales, p.OffSrc, p.OffTopk, p.OffWeights = uint64(off[0]), uint64(off[1]), uint64(off[2]), uint64(off[3]), uint64(off[4])
-	p.NumTokens, p.NumExperts, p.NumOutRows = int32(a.NumTokens), int32(a.NumExperts), int32(a.RecvX.Shape[0])
+	e.fillCtx(&p.ctx, st, topo, peers, a.Config)
+	p.x, p.x_scales, p.topk, p.weights, p.in_rank = u64(ptr(a.X)), u64(ptr(a.XScales)), u64(ptr(a.TopkIdx)), u64(ptr(a.TopkWeights)), u64(ptr(a.InRank))
+	p.rank_prefix, p.channel_prefix = u64(ptr(a.RankPrefix)), u64(ptr(a.ChannelPrefix))
+	p.recv_x, p.recv_scales, p.recv_src = u64(ptr(a.RecvX)), u64(ptr(a.RecvXScales)), u64(ptr(a.RecvSrcIdx))
+	p.recv_topk, p.recv_weights = u64(ptr(a.RecvTopkIdx)), u64(ptr(a.RecvTopkWeights))
+	p.recv_channel_prefix, p.send_head = u64(ptr(a.RecvChannelPrefix)), u64(ptr(a.SendHead))
+	p.off_hidden, p.off_scales, p.off_src, p.off_topk, p.off_weights = u64(off[0]), u64(off[1]), u64(off[2]), u64(off[3]), u64(off[4])
+	p.num_tokens, p.num_experts, p.num_out_rows = i32(a.NumTokens), i32(a.NumExperts), i32(int(a.RecvX.Shape[0]))
 	// Scales in words (goep checked that the strides fit); zero strides are dense rows.
-	p.ScaleTokenStride, p.ScaleStride = int32(a.ScalesTokenStride), int32(a.ScalesStride)
-	if p.ScaleTokenStride == 0 && p.ScaleStride == 0 {
-		p.ScaleTokenStride, p.ScaleStride = int32(a.ScalesBytes/4), 1
+	p.scale_token_stride, p.scale_stride = i32(a.ScalesTokenStride), i32(a.ScalesStride)
+	if p.scale_token_stride == 0 && p.scale_stride == 0 {
+		p.scale_token_stride, p.scale_stride = i32(a.ScalesBytes/4), 1
 	}
-	p.GoSeq = goSeq
+	p.go_seq = u64(goSeq)
 }
 
 // Combine implements goep.NormalEngine: it queues the kernels and returns.
@@ -137,12 +140,12 @@ func (e *normalEngine) Combine(peers []goep.Region, a *goep.CombineOp) error {
 		return err
 	}
 	p := &e.params.combine
-	e.fillCtx(&p.Ctx, st, topo, peers, a.Config)
-	p.X, p.Weights, p.SrcIdx, p.RankPrefix = ptr(a.X), ptr(a.TopkWeights), ptr(a.SrcIdx), ptr(a.RankPrefix)
-	p.ChannelPrefix, p.SendHead, p.Bias0, p.Bias1 = ptr(a.ChannelPrefix), ptr(a.SendHead), ptr(a.Bias0), ptr(a.Bias1)
-	p.Out, p.OutWeights = ptr(a.CombinedX), ptr(a.CombinedTopkWeights)
-	p.OffRow, p.OffSrc, p.OffWeights = uint64(off[0]), uint64(off[1]), uint64(off[2])
-	p.NumTokens, p.NumRows = int32(a.NumTokens), int32(a.X.Shape[0])
+	e.fillCtx(&p.ctx, st, topo, peers, a.Config)
+	p.x, p.weights, p.src_idx, p.rank_prefix = u64(ptr(a.X)), u64(ptr(a.TopkWeights)), u64(ptr(a.SrcIdx)), u64(ptr(a.RankPrefix))
+	p.channel_prefix, p.send_head, p.bias0, p.bias1 = u64(ptr(a.ChannelPrefix)), u64(ptr(a.SendHead)), u64(ptr(a.Bias0)), u64(ptr(a.Bias1))
+	p.out, p.out_weights = u64(ptr(a.CombinedX)), u64(ptr(a.CombinedTopkWeights))
+	p.off_row, p.off_src, p.off_weights = u64(off[0]), u64(off[1]), u64(off[2])
+	p.num_tokens, p.num_rows = i32(a.NumTokens), i32(int(a.X.Shape[0]))
 	if err := e.launch(f, uint32(2*C), uint32(threads), unsafe.Pointer(p)); err != nil {
 		return err
 	}

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -10,6 +12,7 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda/driver"
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
@@ -40,9 +43,9 @@ type bufferState struct {
 	reported bool   // dead was returned once already
 
 	errHost unsafe.Pointer // opError, host-mapped
-	errDev  DevicePtr
+	errDev  driver.DevicePtr
 	resHost unsafe.Pointer // notifyResult + per-expert counts, host-mapped
-	resDev  DevicePtr
+	resDev  driver.DevicePtr
 	resCap  int // per-expert counts resHost has room for
 
 	notified   bool  // the last call was a successful notify: the dispatch after it needs no prologue
@@ -62,7 +65,7 @@ type normalEngine struct {
 	// The record of the last layout's bad index (u64 [4]: tag, token << 32 | choice, value),
 	// written by the layout kernel and read by the next notify; layoutTag numbers the layouts.
 	layoutHost unsafe.Pointer
-	layoutDev  DevicePtr
+	layoutDev  driver.DevicePtr
 	layoutTag  uint64
 
 	// Launch parameters, reused by every launch (a launch copies them), in an allocation of
@@ -121,8 +124,8 @@ func (e *normalEngine) Close() error {
 }
 
 // hostAlloc allocates zeroed, device-mapped host memory.
-func (b *Backend) hostAlloc(n int) (unsafe.Pointer, DevicePtr, error) {
-	p, err := b.drv.MemHostAlloc(n, HostAllocPortable|HostAllocDeviceMap)
+func (b *Backend) hostAlloc(n int) (unsafe.Pointer, driver.DevicePtr, error) {
+	p, err := b.drv.MemHostAlloc(n, driver.HostAllocPortable|driver.HostAllocDeviceMap)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -197,14 +200,14 @@ func (e *normalEngine) recorded(st *bufferState) error {
 }
 
 // launch queues f on the communication stream with one parameter struct.
-func (e *normalEngine) launch(f Function, grid, block uint32, params unsafe.Pointer) error {
+func (e *normalEngine) launch(f driver.Function, grid, block uint32, params unsafe.Pointer) error {
 	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{block, 1, 1}, 0, e.b.comm, params); err != nil {
 		return err
 	}
-	e.b.lastLaunch.Store(monotonicNS())
+	e.b.lastLaunch.Store(driver.MonotonicNS())
 	if debugSync {
 		if err := e.b.comm.Synchronize(); err != nil {
-			return fmt.Errorf("pyep: kernel %s failed: %w; launch parameters: %#v", f.name, err, *e.params)
+			return fmt.Errorf("pyep: kernel %s failed: %w; launch parameters: %#v", f.Name(), err, *e.params)
 		}
 	}
 	return nil
@@ -225,7 +228,7 @@ func (e *normalEngine) orderBefore(o goep.StreamOrder) error {
 	b := e.b
 	switch {
 	case o.Event != 0:
-		return b.comm.WaitEvent(WrapEvent(b.drv, o.Event))
+		return b.comm.WaitEvent(driver.WrapEvent(b.drv, o.Event))
 	case o.Flags&goep.OrderWait != 0:
 		return b.streamWait(b.comm, b.WrapStream(o.Stream))
 	}
@@ -242,23 +245,23 @@ func (e *normalEngine) orderAfter(o goep.StreamOrder) error {
 
 // fillCtx sets the parts of ctx every kernel of a call shares.
 func (e *normalEngine) fillCtx(ctx *kctx, st *bufferState, topo goep.Topology, peers []goep.Region, cfg goep.Config) {
-	for i := range ctx.Data {
-		ctx.Data[i], ctx.Ctl[i] = 0, 0
+	for i := range ctx.data {
+		ctx.data[i], ctx.ctl[i] = 0, 0
 	}
 	for i, p := range peers {
-		ctx.Data[i] = uint64(PtrOf(p.Data()))
-		ctx.Ctl[i] = uint64(PtrOf(p.Control()))
+		ctx.data[i] = u64(uint64(PtrOf(p.Data())))
+		ctx.ctl[i] = u64(uint64(PtrOf(p.Control())))
 	}
 	headOff, total := counters(cfg.NumChannels(), topo.NumNVLRanks)
-	ctx.Err = uint64(st.errDev)
-	ctx.Seq = st.seq
-	ctx.TimeoutNS = uint64(goep.OpTimeout())
-	ctx.CounterBytes = uint64(total)
-	ctx.HeadOff = uint64(headOff)
-	ctx.Rank = int32(topo.NVLRank)
-	ctx.NumChannels = int32(cfg.NumChannels())
-	ctx.RingSlots = int32(cfg.NumMaxNVLChunkedRecvTokens)
-	ctx.Chunk = int32(cfg.NumMaxNVLChunkedSendTokens)
+	ctx.err = u64(uint64(st.errDev))
+	ctx.seq = u64(st.seq)
+	ctx.timeout_ns = u64(goep.OpTimeout().Nanoseconds())
+	ctx.counter_bytes = u64(total)
+	ctx.head_off = u64(headOff)
+	ctx.rank = i32(topo.NVLRank)
+	ctx.num_channels = i32(cfg.NumChannels())
+	ctx.ring_slots = i32(cfg.NumMaxNVLChunkedRecvTokens)
+	ctx.chunk = i32(cfg.NumMaxNVLChunkedSendTokens)
 }
 
 // hostGrace is how much longer than the kernels' own bound the host waits for a result before

@@ -2,11 +2,11 @@ package cuda
 
 import (
 	"fmt"
-	"os"
 	"strconv"
-	"strings"
 	"sync"
 
+	"github.com/pyep/pyep/goep/cuda/driver"
+	"github.com/pyep/pyep/goep/env"
 	"github.com/pyep/pyep/goep/jit"
 )
 
@@ -15,7 +15,7 @@ import (
 // KernelLoader provides the kernels; the default compiles with NVRTC. file is a kernel source
 // ("intranode.cu"), kernel the entry point, defines the constants it is specialised on.
 type KernelLoader interface {
-	Load(b *Backend, file, kernel string, defines map[string]string) (Function, error)
+	Load(b *Backend, file, kernel string, defines map[string]string) (driver.Function, error)
 }
 
 // NormalOptions tune the normal-mode engines of a device; tests set them (SetNormalOptions), the
@@ -31,17 +31,7 @@ type NormalOptions struct {
 }
 
 // normalThreads is the block size of dispatch and combine: PYEP_NORMAL_THREADS when valid.
-var normalThreads = parseNormalThreads(os.Getenv("PYEP_NORMAL_THREADS"))
-
-// parseNormalThreads is s as a block size of dispatch and combine (a multiple of 32 from 64 to
-// 1024), else 768.
-func parseNormalThreads(s string) int {
-	n, err := strconv.Atoi(strings.TrimSpace(s))
-	if err != nil || n < 64 || n > 1024 || n%32 != 0 {
-		return 768
-	}
-	return n
-}
+var normalThreads = env.Threads(768)
 
 func (o NormalOptions) withDefaults() NormalOptions {
 	if o.Threads == 0 {
@@ -61,11 +51,11 @@ func (o NormalOptions) withDefaults() NormalOptions {
 
 // extraFlags are further NVRTC options for every kernel, from PYEP_JIT_FLAGS (space-separated,
 // e.g. "-lineinfo" for compute-sanitizer's source lines).
-var extraFlags = strings.Fields(os.Getenv("PYEP_JIT_FLAGS"))
+var extraFlags = env.Flags()
 
 // debugSync (PYEP_DEBUG_SYNC=1, a debugging aid) makes every launch wait for its kernel and
 // name the kernel that failed.
-var debugSync = os.Getenv("PYEP_DEBUG_SYNC") == "1"
+var debugSync = env.Sync()
 
 // kernelCache is a device's loaded kernels (its zero value is ready): modules live in the
 // device's primary context, so every buffer's engine on the device shares them.
@@ -74,7 +64,7 @@ type kernelCache struct {
 	set     bool // opts were set
 	opts    NormalOptions
 	arch    string
-	kernels map[kernelKey]Function
+	kernels map[kernelKey]driver.Function
 	sources map[string]jit.Source
 }
 
@@ -132,14 +122,14 @@ var cppNames = map[int8]string{nameLLDispatch: "_ZN4pyep2ll8dispatchENS_8LLParam
 	nameLLCombine: "_ZN4pyep2ll7combineENS_8LLParamsE"}
 
 // function returns the kernel of key, loading it on first use; the context is current.
-func (k *kernelCache) function(b *Backend, key kernelKey, file string, defines func() map[string]string) (Function, error) {
+func (k *kernelCache) function(b *Backend, key kernelKey, file string, defines func() map[string]string) (driver.Function, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if f, ok := k.kernels[key]; ok {
 		return f, nil
 	}
 	name := kernelNames[key.name]
-	var f Function
+	var f driver.Function
 	var err error
 	if k.opts.Loader != nil {
 		f, err = k.opts.Loader.Load(b, file, name, defines())
@@ -149,21 +139,21 @@ func (k *kernelCache) function(b *Backend, key kernelKey, file string, defines f
 		f, err = k.nvrtc(b, file, name, defines())
 	}
 	if err != nil {
-		return Function{}, fmt.Errorf("pyep: loading kernel %s of %s: %w", name, file, err)
+		return driver.Function{}, fmt.Errorf("pyep: loading kernel %s of %s: %w", name, file, err)
 	}
 	if k.kernels == nil {
-		k.kernels = map[kernelKey]Function{}
+		k.kernels = map[kernelKey]driver.Function{}
 	}
 	k.kernels[key] = f
 	return f, nil
 }
 
 // nvrtc compiles file for this GPU (through jit's cache) and loads the kernel.
-func (k *kernelCache) nvrtc(b *Backend, file, name string, defines map[string]string) (Function, error) {
+func (k *kernelCache) nvrtc(b *Backend, file, name string, defines map[string]string) (driver.Function, error) {
 	if k.arch == "" {
 		arch, err := b.dev.Arch()
 		if err != nil {
-			return Function{}, err
+			return driver.Function{}, err
 		}
 		k.arch = arch
 	}
@@ -171,7 +161,7 @@ func (k *kernelCache) nvrtc(b *Backend, file, name string, defines map[string]st
 	if !ok {
 		var err error
 		if src, err = jit.Kernel(file); err != nil {
-			return Function{}, err
+			return driver.Function{}, err
 		}
 		if k.sources == nil {
 			k.sources = map[string]jit.Source{}
@@ -180,11 +170,11 @@ func (k *kernelCache) nvrtc(b *Backend, file, name string, defines map[string]st
 	}
 	cubin, err := jit.Compile(src, jit.Options{Arch: k.arch, Defines: defines, Flags: extraFlags})
 	if err != nil {
-		return Function{}, err
+		return driver.Function{}, err
 	}
 	mod, err := b.drv.ModuleLoadData(cubin)
 	if err != nil {
-		return Function{}, err
+		return driver.Function{}, err
 	}
 	return mod.Function(name)
 }

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -6,6 +8,7 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda/driver"
 )
 
 // Layout implements goep.NormalEngine: the counts on the GPU, queued without a wait (DeepEP's
@@ -31,8 +34,9 @@ func (e *normalEngine) Layout(a *goep.LayoutOp) error {
 		return err
 	}
 	p := &e.params.layout
-	*p = layoutParams{Topk: ptr(a.TopkIdx), PerRank: ptr(a.PerRank), PerExpert: ptr(a.PerExpert), InRank: ptr(a.InRank),
-		Result: uint64(e.layoutDev), Tag: e.layoutTag + 1, NumTokens: T, NumTopk: K, NumExperts: E, NumRanks: R}
+	*p = layoutParams{topk: u64(ptr(a.TopkIdx)), per_rank: u64(ptr(a.PerRank)), per_expert: u64(ptr(a.PerExpert)),
+		in_rank: u64(ptr(a.InRank)), result: u64(uint64(e.layoutDev)), tag: u64(e.layoutTag + 1),
+		num_tokens: i32(T), num_topk: i32(K), num_experts: i32(E), num_ranks: i32(R)}
 	grid := uint32(R + (E+layoutExpertsPerBlock-1)/layoutExpertsPerBlock)
 	if err := e.orderBefore(a.Order); err != nil {
 		return err
@@ -120,7 +124,7 @@ func (e *normalEngine) NotifyDispatch(peers []goep.Region, n *goep.NotifyOp, d *
 
 // prepareNotify checks a notify, finds its kernel and fills its launch parameters.
 func (e *normalEngine) prepareNotify(st *bufferState, topo goep.Topology, peers []goep.Region,
-	a *goep.NotifyOp) (f Function, scratchOff int64, err error) {
+	a *goep.NotifyOp) (f driver.Function, scratchOff int64, err error) {
 	b := e.b
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	E := a.NumExperts
@@ -153,29 +157,29 @@ func (e *normalEngine) prepareNotify(st *bufferState, topo goep.Topology, peers 
 		return f, 0, err
 	}
 	p := &e.params.notify
-	e.fillCtx(&p.Ctx, st, topo, peers, a.Config)
+	e.fillCtx(&p.ctx, st, topo, peers, a.Config)
 	K := int32(0)
 	if a.TopkIdx.Valid {
 		K = int32(a.TopkIdx.Shape[1])
 	}
-	p.InRank, p.PerRank, p.PerExpert, p.Topk = ptr(a.InRank), ptr(a.PerRank), ptr(a.PerExpert), ptr(a.TopkIdx)
+	p.in_rank, p.per_rank, p.per_expert, p.topk = u64(ptr(a.InRank)), u64(ptr(a.PerRank)), u64(ptr(a.PerExpert)), u64(ptr(a.TopkIdx))
 	if K == 0 {
-		p.Topk = 0
+		p.topk = 0
 	}
-	p.RankPrefix, p.ChannelPrefix, p.RecvChannelPrefix = ptr(a.RankPrefix), ptr(a.ChannelPrefix), ptr(a.RecvChannelPrefix)
-	p.RecvPerExpert, p.Result = ptr(a.RecvPerExpert), uint64(st.resDev)
-	p.ScratchOff, p.BlockBytes = uint64(scratchOff), uint64(blockBytes)
-	p.NumTokens, p.NumTopk, p.NumExperts = int32(a.NumTokens), K, int32(E)
-	p.Alignment, p.NumWorst, p.Capacity = int32(a.ExpertAlignment), int32(a.NumWorstTokens), int32(a.Capacity)
-	p.LayoutRec, p.LayoutTag = 0, 0
+	p.rank_prefix, p.channel_prefix, p.recv_channel_prefix = u64(ptr(a.RankPrefix)), u64(ptr(a.ChannelPrefix)), u64(ptr(a.RecvChannelPrefix))
+	p.recv_per_expert, p.result = u64(ptr(a.RecvPerExpert)), u64(uint64(st.resDev))
+	p.scratch_off, p.block_bytes = u64(scratchOff), u64(blockBytes)
+	p.num_tokens, p.num_topk, p.num_experts = i32(a.NumTokens), i32(K), i32(E)
+	p.alignment, p.num_worst, p.capacity = i32(a.ExpertAlignment), i32(a.NumWorstTokens), i32(a.Capacity)
+	p.layout_rec, p.layout_tag = 0, 0
 	if e.layoutTag > 0 {
-		p.LayoutRec, p.LayoutTag = uint64(e.layoutDev), e.layoutTag
+		p.layout_rec, p.layout_tag = u64(uint64(e.layoutDev)), u64(e.layoutTag)
 	}
 	return f, scratchOff, nil
 }
 
 // launchNotify queues the prepared notify; it returns the notify's barrier number.
-func (e *normalEngine) launchNotify(f Function, st *bufferState) (seq uint64, err error) {
+func (e *normalEngine) launchNotify(f driver.Function, st *bufferState) (seq uint64, err error) {
 	seq = st.seq
 	if err := e.launch(f, 1, uint32(e.opts.NotifyThreads), unsafe.Pointer(&e.params.notify)); err != nil {
 		return 0, err
@@ -187,7 +191,7 @@ func (e *normalEngine) launchNotify(f Function, st *bufferState) (seq uint64, er
 // finishNotify waits for the answer of the notify with barrier number seq.
 func (e *normalEngine) finishNotify(st *bufferState, seq uint64, topo goep.Topology, a *goep.NotifyOp, scratchOff int64) (int, bool, error) {
 	res := (*notifyResult)(st.resHost)
-	if err := e.waitHost(&res.Tag, seq, st, "dispatch (notify)"); err != nil {
+	if err := e.waitHost(notifyTag(res), seq, st, "dispatch (notify)"); err != nil {
 		if st.dead == nil {
 			st.dead, st.reported = err, true
 		}
@@ -195,20 +199,21 @@ func (e *normalEngine) finishNotify(st *bufferState, seq uint64, topo goep.Topol
 	}
 	r := *res
 	E, me := a.NumExperts, topo.NVLRank
-	switch r.Status {
+	d0, d1, d2 := int64(r.d0), int64(r.d1), int64(r.d2)
+	switch r.status {
 	case 0:
 	case 4:
-		return 0, false, fmt.Errorf("dispatch: rank %d: no rank dispatches: rank %d has invalid arguments: %v", me, r.BadRank,
-			statusError(r.PeerStatus, int(r.BadRank), r.D0, r.D1, r.D2, E))
+		return 0, false, fmt.Errorf("dispatch: rank %d: no rank dispatches: rank %d has invalid arguments: %v", me, r.bad_rank,
+			statusError(int32(r.peer_status), int(r.bad_rank), d0, d1, d2, E))
 	case 5:
-		return 0, false, goep.Argf("dispatch: num_worst_tokens = %d is too small: rank %d receives %d tokens", a.NumWorstTokens, r.BadRank, r.D0)
+		return 0, false, goep.Argf("dispatch: num_worst_tokens = %d is too small: rank %d receives %d tokens", a.NumWorstTokens, r.bad_rank, d0)
 	default:
-		return 0, false, statusError(r.Status, me, r.D0, r.D1, r.D2, E)
+		return 0, false, statusError(int32(r.status), me, d0, d1, d2, E)
 	}
 	epr := E / topo.NumNVLRanks
 	st.perExpert = append(st.perExpert[:0], unsafe.Slice((*int32)(unsafe.Add(st.resHost, notifyResultBytes)), epr)...)
 	st.notified, st.scratchOff = true, scratchOff
-	return int(r.NumRecv), r.Go != 0, nil
+	return int(r.num_recv), r._go != 0, nil
 }
 
 // RecvPerExpert implements goep.PerExpertCounter: num_recv_tokens_per_expert of the buffer's
@@ -233,8 +238,8 @@ func (e *normalEngine) prologueFor(op int32, st *bufferState, topo goep.Topology
 		return err
 	}
 	p := &e.params.prologue
-	e.fillCtx(&p.Ctx, st, topo, peers, cfg)
-	p.Op = op
+	e.fillCtx(&p.ctx, st, topo, peers, cfg)
+	p.op = i32(op)
 	if err := e.launch(f, 1, 256, unsafe.Pointer(p)); err != nil {
 		return err
 	}

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -7,25 +9,25 @@ import (
 	"github.com/stretchr/testify/assert"
 )
 
-// The launch parameters cross to the kernels as raw bytes: their sizes must be what
-// kernels/intranode.cu and layout.cu static_assert.
+// The launch parameters cross to the kernels as raw bytes, declared once in kernels/params.h
+// (which asserts their sizes in every compiler that includes it): check the layout cgo gave Go.
 func TestNormalParamLayouts(t *testing.T) {
-	assert.EqualValues(t, ctxBytes, unsafe.Sizeof(kctx{}))
-	assert.EqualValues(t, notifyParamsBytes, unsafe.Sizeof(notifyParams{}))
+	assert.EqualValues(t, 184, unsafe.Sizeof(kctx{}))
+	assert.EqualValues(t, 312, unsafe.Sizeof(notifyParams{}))
 	assert.EqualValues(t, 192, unsafe.Sizeof(prologueParams{}))
 	assert.EqualValues(t, 368, unsafe.Sizeof(dispatchParams{}))
-	assert.EqualValues(t, 360, unsafe.Offsetof(dispatchParams{}.GoSeq))
-	assert.EqualValues(t, 348, unsafe.Offsetof(dispatchParams{}.ScaleTokenStride))
-	assert.EqualValues(t, 296, unsafe.Offsetof(notifyParams{}.LayoutRec))
+	assert.EqualValues(t, 360, unsafe.Offsetof(dispatchParams{}.go_seq))
+	assert.EqualValues(t, 348, unsafe.Offsetof(dispatchParams{}.scale_token_stride))
+	assert.EqualValues(t, 296, unsafe.Offsetof(notifyParams{}.layout_rec))
 	assert.EqualValues(t, 304, unsafe.Sizeof(combineParams{}))
 	assert.EqualValues(t, 64, unsafe.Sizeof(layoutParams{}))
 	assert.EqualValues(t, opErrorBytes, unsafe.Sizeof(opError{}))
-	assert.EqualValues(t, notifyResultBytes, unsafe.Sizeof(notifyResult{}))
-	assert.EqualValues(t, 128, unsafe.Offsetof(kctx{}.Err))
-	assert.EqualValues(t, 168, unsafe.Offsetof(kctx{}.Rank))
-	assert.EqualValues(t, 184, unsafe.Offsetof(dispatchParams{}.X))
-	assert.EqualValues(t, 336, unsafe.Offsetof(dispatchParams{}.NumTokens))
-	assert.EqualValues(t, 288, unsafe.Offsetof(combineParams{}.NumTokens))
+	assert.EqualValues(t, 56, notifyResultBytes)
+	assert.EqualValues(t, 128, unsafe.Offsetof(kctx{}.err))
+	assert.EqualValues(t, 168, unsafe.Offsetof(kctx{}.rank))
+	assert.EqualValues(t, 184, unsafe.Offsetof(dispatchParams{}.x))
+	assert.EqualValues(t, 336, unsafe.Offsetof(dispatchParams{}.num_tokens))
+	assert.EqualValues(t, 288, unsafe.Offsetof(combineParams{}.num_tokens))
 	assert.EqualValues(t, 56, unsafe.Offsetof(opError{}.AbortWord))
 }
 
@@ -34,10 +36,4 @@ func TestVecBytes(t *testing.T) {
 	assert.Equal(t, 8, vecBytes(14336, 0x1008))
 	assert.Equal(t, 2, vecBytes(198, 0x1000))
 	assert.Equal(t, 1, vecBytes(99))
-}
-
-func TestParseNormalThreads(t *testing.T) {
-	for in, want := range map[string]int{"": 768, "800": 800, " 1024 ": 1024, "1056": 768, "32": 768, "100": 768, "x": 768} {
-		assert.Equal(t, want, parseNormalThreads(in), "PYEP_NORMAL_THREADS=%q", in)
-	}
 }

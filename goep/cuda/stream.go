@@ -5,12 +5,13 @@ import (
 	"sync"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda/driver"
 )
 
 // CommStream is pyep's communication stream on this GPU: created by the Backend,
 // non-blocking (it never waits behind the legacy default stream) and of the highest priority.
 // Python wraps it as torch.cuda.ExternalStream (Buffer.get_comm_stream).
-func (b *Backend) CommStream() Stream { return b.comm }
+func (b *Backend) CommStream() driver.Stream { return b.comm }
 
 var _ goep.StreamBackend = (*Backend)(nil)
 
@@ -24,13 +25,13 @@ func (b *Backend) LastLaunchNS() int64 { return b.lastLaunch.Load() }
 // WrapStream wraps a raw CUstream of this GPU that someone else owns, e.g. PyTorch's current
 // stream as Python passes it (torch.cuda.current_stream().cuda_stream); 0 is the legacy
 // default stream. Never Destroy it.
-func (b *Backend) WrapStream(raw uintptr) Stream { return WrapStream(b.drv, raw) }
+func (b *Backend) WrapStream(raw uintptr) driver.Stream { return driver.WrapStream(b.drv, raw) }
 
 // StreamWait makes the work queued on waiter from now on wait for the work queued on on so far
 // (an event recorded on on, waited for by waiter); the host does not block. E.g.
 // StreamWait(comm, torch) before a dispatch reads tensors that PyTorch's stream produces, and
 // StreamWait(torch, comm) after it.
-func (b *Backend) StreamWait(waiter, on Stream) error {
+func (b *Backend) StreamWait(waiter, on driver.Stream) error {
 	if waiter == on {
 		return nil
 	}
@@ -43,7 +44,7 @@ func (b *Backend) StreamWait(waiter, on Stream) error {
 }
 
 // streamWait is StreamWait in the backend's context.
-func (b *Backend) streamWait(waiter, on Stream) error {
+func (b *Backend) streamWait(waiter, on driver.Stream) error {
 	if waiter == on {
 		return nil
 	}
@@ -71,7 +72,7 @@ func SharedBackend(ordinal int) (*Backend, error) {
 	if b, ok := shared.backends[ordinal]; ok {
 		return b, nil
 	}
-	drv, err := Open()
+	drv, err := driver.Open()
 	if err != nil {
 		return nil, err
 	}

@@ -8,6 +8,8 @@ import (
 	"math"
 	"os"
 	"strings"
+
+	"github.com/pyep/pyep/goep/cuda/driver"
 )
 
 // memKind is how an NVLink-domain allocation is shared with the peers' processes.
@@ -47,8 +49,8 @@ type token struct {
 	Nonce   uint64
 	Size    int64 // data bytes, as Allocate's size
 	Mapped  int64 // bytes of the allocation (and of a peer's mapping): at least allocationBytes(Size)
-	IPC     IpcMemHandle
-	Fabric  FabricHandle
+	IPC     driver.IpcMemHandle
+	Fabric  driver.FabricHandle
 	BusID   string // cuDeviceGetPCIBusId of the owner's GPU, e.g. "0000:1B:00.0"
 	Host    string // the owner's host (its boot id)
 	Process string // the owner's process (its pid, or BackendOptions.Process)

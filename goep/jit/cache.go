@@ -14,6 +14,8 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+
+	"github.com/pyep/pyep/goep/env"
 )
 
 // keyVersion changes whenever the key's recipe or the cache file format does.
@@ -86,7 +88,7 @@ func defineFlags(defines map[string]string) ([]string, error) {
 // DefaultDir is the on-disk cache: $PYEP_JIT_CACHE_DIR, else pyep under the user's cache
 // directory (~/.cache/pyep on Linux).
 func DefaultDir() (string, error) {
-	if d := os.Getenv("PYEP_JIT_CACHE_DIR"); d != "" {
+	if d := env.CacheDir(); d != "" {
 		return d, nil
 	}
 	base, err := os.UserCacheDir()
@@ -197,11 +199,7 @@ func (c *Cache) report(name, target string, defines map[string]string, ms int64,
 
 // quiet reports whether PYEP_JIT_QUIET asks for no compile reports.
 func quiet() bool {
-	switch os.Getenv("PYEP_JIT_QUIET") {
-	case "", "0", "false", "no":
-		return false
-	}
-	return true
+	return env.Quiet()
 }
 
 // describeDefines is " (HIDDEN_BYTES=14336, ...)": the shape a compile was for, without the

@@ -4,6 +4,8 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+
+	"github.com/pyep/pyep/goep/env"
 )
 
 // nvidiaLibDirs are where NVIDIA's pip wheels put libnvrtc inside a site-packages directory:
@@ -24,7 +26,7 @@ var nvidiaLibDirs = []string{"nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib", "nvidia
 //
 // Entries of steps 2 and 3 are listed only if such files exist.
 func Candidates(getenv func(string) string) []string {
-	if p := getenv("PYEP_NVRTC"); p != "" {
+	if p := getenv(env.NVRTC); p != "" {
 		return []string{p}
 	}
 	var dirs []string
@@ -57,7 +59,7 @@ func Candidates(getenv func(string) string) []string {
 
 func sitePackages(getenv func(string) string) []string {
 	var out []string
-	for _, sp := range strings.Split(getenv("PYEP_SITE_PACKAGES"), ":") {
+	for _, sp := range strings.Split(getenv(env.SitePackages), ":") {
 		if sp != "" {
 			out = append(out, sp)
 		}

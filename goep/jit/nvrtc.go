@@ -6,6 +6,7 @@ package jit
 #cgo LDFLAGS: -ldl
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,32 +27,11 @@ static const char* const pyep_nvrtc_names[NV_COUNT] = {
 };
 
 static void* pyep_nvrtc_fp[NV_COUNT];
-static void* pyep_nvrtc_lib;
 static void* pyep_nvrtc_builtins;
 
-// Opens path and resolves every entry point. Returns NULL on success, else a malloc'd message.
-// dlerror's text is per thread, so it is copied here, in the same C call as the dlopen.
-static char* pyep_nvrtc_open(const char* path) {
-	void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-	if (h == NULL) {
-		const char* e = dlerror();
-		return strdup(e ? e : "dlopen failed");
-	}
-	void* fp[NV_COUNT];
-	for (int i = 0; i < NV_COUNT; i++) {
-		fp[i] = dlsym(h, pyep_nvrtc_names[i]);
-		if (fp[i] == NULL) {
-			size_t n = strlen(pyep_nvrtc_names[i]) + 64;
-			char* msg = malloc(n);
-			if (msg != NULL) snprintf(msg, n, "it lacks %s (too old an NVRTC?)", pyep_nvrtc_names[i]);
-			dlclose(h);
-			return msg;
-		}
-	}
-	memcpy(pyep_nvrtc_fp, fp, sizeof fp);
-	pyep_nvrtc_lib = h;
-	return NULL;
-}
+// goep/dl opens the library and resolves the entry points; these hand them over.
+static const char* pyep_nvrtc_name(int i) { return pyep_nvrtc_names[i]; }
+static void pyep_nvrtc_set(int i, uintptr_t fp) { pyep_nvrtc_fp[i] = (void*)fp; }
 
 // NVRTC dlopens libnvrtc-builtins.so.<major>.<minor> by bare name when it compiles; pip wheels
 // ship it beside libnvrtc without an RPATH, so preloading it from there (the loader then matches
@@ -132,22 +112,37 @@ static pyep_nvrtc_output pyep_nvrtc_compile(const char* src, const char* name, i
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"unsafe"
+
+	"github.com/pyep/pyep/goep/dl"
 )
 
 func loadNVRTC(candidates []string) (*NVRTC, error) {
 	var tried []string
+	table := make([]dl.Symbol, C.NV_COUNT)
+	for i := range table {
+		table[i] = dl.Symbol{C.GoString(C.pyep_nvrtc_name(C.int(i)))}
+	}
 	for _, c := range candidates {
-		cpath := C.CString(c)
-		msg := C.pyep_nvrtc_open(cpath)
-		C.free(unsafe.Pointer(cpath))
-		if msg != nil {
-			tried = append(tried, fmt.Sprintf("%s (%s)", c, C.GoString(msg)))
-			C.free(unsafe.Pointer(msg))
+		found, err := dl.Open(c, table, dl.Options{})
+		if err != nil {
+			var missing *dl.MissingError
+			var open *dl.OpenError
+			msg := err.Error()
+			if errors.As(err, &missing) {
+				msg = fmt.Sprintf("it lacks %s (too old an NVRTC?)", missing.Symbol)
+			} else if errors.As(err, &open) {
+				msg = open.Detail
+			}
+			tried = append(tried, fmt.Sprintf("%s (%s)", c, msg))
 			continue
+		}
+		for i, fp := range found.Addrs {
+			C.pyep_nvrtc_set(C.int(i), C.uintptr_t(fp))
 		}
 		var major, minor C.int
 		if r := C.pyep_nvrtcVersion(&major, &minor); r != 0 {

@@ -36,7 +36,8 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep/cuda"
-	"github.com/pyep/pyep/goep/cuda/fake"
+	"github.com/pyep/pyep/goep/cuda/driver"
+	"github.com/pyep/pyep/goep/cuda/driver/fake"
 	"github.com/pyep/pyep/goep/jit"
 )
 
@@ -73,14 +74,14 @@ type Loader struct{}
 
 // Load implements cuda.KernelLoader: it builds file with defines for the host (or finds it
 // built) and registers kernel with the backend's fake world.
-func (Loader) Load(b *cuda.Backend, file, kernel string, defines map[string]string) (cuda.Function, error) {
+func (Loader) Load(b *cuda.Backend, file, kernel string, defines map[string]string) (driver.Function, error) {
 	d, ok := b.Driver().(*fake.Driver)
 	if !ok {
-		return cuda.Function{}, fmt.Errorf("emu: the backend's driver is not a fake driver")
+		return driver.Function{}, fmt.Errorf("emu: the backend's driver is not a fake driver")
 	}
 	lib, err := build(file, defines)
 	if err != nil {
-		return cuda.Function{}, err
+		return driver.Function{}, err
 	}
 	cname := C.CString(kernel)
 	defer C.free(unsafe.Pointer(cname))
@@ -91,7 +92,7 @@ func (Loader) Load(b *cuda.Backend, file, kernel string, defines map[string]stri
 		if why != nil {
 			reason = C.GoString(why)
 		}
-		return cuda.Function{}, fmt.Errorf("emu: %s of %s cannot run: %s", kernel, file, reason)
+		return driver.Function{}, fmt.Errorf("emu: %s of %s cannot run: %s", kernel, file, reason)
 	}
 	name := "emu:" + lib.Key[:16] + ":" + kernel
 	d.World().RegisterKernel(name, func(l *fake.Launch) error {
@@ -105,7 +106,7 @@ func (Loader) Load(b *cuda.Backend, file, kernel string, defines map[string]stri
 	})
 	mod, err := d.ModuleLoadData([]byte{1})
 	if err != nil {
-		return cuda.Function{}, err
+		return driver.Function{}, err
 	}
 	return mod.Function(name)
 }

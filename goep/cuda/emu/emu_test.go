@@ -19,8 +19,8 @@ import (
 
 	"github.com/pyep/pyep/goep"
 	"github.com/pyep/pyep/goep/cuda"
+	"github.com/pyep/pyep/goep/cuda/driver/fake"
 	"github.com/pyep/pyep/goep/cuda/emu"
-	"github.com/pyep/pyep/goep/cuda/fake"
 	"github.com/pyep/pyep/goep/dlpack"
 	"github.com/pyep/pyep/goep/normal"
 )

@@ -7,7 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pyep/pyep/goep"
-	"github.com/pyep/pyep/goep/cuda"
+	"github.com/pyep/pyep/goep/cuda/driver"
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
@@ -18,9 +18,9 @@ func TestEmulatedStreamOrder(t *testing.T) {
 	e := newDomain(t, 1, 8<<20)[0]
 	exit, err := e.be.Enter()
 	require.NoError(t, err)
-	caller, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	caller, err := e.drv.StreamCreate(driver.StreamNonBlocking, 0)
 	require.NoError(t, err)
-	previous, err := e.drv.EventCreate(cuda.EventDisableTiming)
+	previous, err := e.drv.EventCreate(driver.EventDisableTiming)
 	require.NoError(t, err)
 	require.NoError(t, previous.Record(caller))
 	exit()

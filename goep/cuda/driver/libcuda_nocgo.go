@@ -1,10 +1,9 @@
 //go:build !cgo
 
-package cuda
+package driver
 
 import (
 	"errors"
-	"os"
 )
 
 // Open fails in a build without cgo, which cannot dlopen the driver; the rest of pyep (the cpu
@@ -15,8 +14,5 @@ func Open() (Driver, error) {
 
 func driverErrorText(Result) (string, string, bool) { return "", "", false }
 
-// getenv is os.Getenv: without cgo, pyep is no library of a C host process.
-func getenv(name string) string { return os.Getenv(name) }
-
-// monotonicNS is 0: without cgo there is no launch to time.
-func monotonicNS() int64 { return 0 }
+// MonotonicNS is 0: without cgo there is no launch to time.
+func MonotonicNS() int64 { return 0 }

@@ -10,21 +10,21 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pyep/pyep/goep/cuda"
-	"github.com/pyep/pyep/goep/cuda/fake"
+	"github.com/pyep/pyep/goep/cuda/driver"
+	"github.com/pyep/pyep/goep/cuda/driver/fake"
 )
 
 // mapHere reserves a range in d, maps h there and lets dev read and write it.
-func mapHere(t *testing.T, d *fake.Driver, h cuda.MemHandle, n int, dev cuda.Device) cuda.DevicePtr {
+func mapHere(t *testing.T, d *fake.Driver, h driver.MemHandle, n int, dev driver.Device) driver.DevicePtr {
 	t.Helper()
 	p, err := d.MemAddressReserve(n, 0)
 	require.NoError(t, err)
 	require.NoError(t, d.MemMap(p, n, h))
-	require.NoError(t, d.MemSetAccess(p, n, dev, cuda.MemAccessReadWrite))
+	require.NoError(t, d.MemSetAccess(p, n, dev, driver.MemAccessReadWrite))
 	return p
 }
 
-func unmapHere(t *testing.T, d *fake.Driver, p cuda.DevicePtr, n int, h cuda.MemHandle) {
+func unmapHere(t *testing.T, d *fake.Driver, p driver.DevicePtr, n int, h driver.MemHandle) {
 	t.Helper()
 	require.NoError(t, d.MemUnmap(p, n))
 	require.NoError(t, d.MemAddressFree(p, n))
@@ -34,23 +34,23 @@ func unmapHere(t *testing.T, d *fake.Driver, p cuda.DevicePtr, n int, h cuda.Mem
 func TestVMMMapAndAccess(t *testing.T) {
 	d, ctx := process(t, fake.NewWorld(), 0)
 	dev := ctx.Device()
-	for _, attr := range []cuda.DeviceAttribute{cuda.AttrVirtualMemoryManagement, cuda.AttrHandleTypePosixFD} {
+	for _, attr := range []driver.DeviceAttribute{driver.AttrVirtualMemoryManagement, driver.AttrHandleTypePosixFD} {
 		v, err := dev.Attribute(attr)
 		require.NoError(t, err)
 		assert.Equal(t, 1, v, "attribute %d", attr)
 	}
-	v, err := dev.Attribute(cuda.AttrHandleTypeFabric)
+	v, err := dev.Attribute(driver.AttrHandleTypeFabric)
 	require.NoError(t, err)
 	assert.Zero(t, v, "no fabric unless configured")
 
-	prop := cuda.MemAllocationProp{Location: dev, HandleTypes: cuda.MemHandlePosixFD}
-	g, err := d.MemGetAllocationGranularity(prop, cuda.GranularityMinimum)
+	prop := driver.MemAllocationProp{Location: dev, HandleTypes: driver.MemHandlePosixFD}
+	g, err := d.MemGetAllocationGranularity(prop, driver.GranularityMinimum)
 	require.NoError(t, err)
 	assert.Equal(t, fake.Granularity, g)
 	_, err = d.MemCreate(g+1, prop)
-	assert.ErrorIs(t, err, cuda.ErrorInvalidValue, "not a multiple of the granularity")
-	_, err = d.MemCreate(g, cuda.MemAllocationProp{Location: dev, HandleTypes: cuda.MemHandleFabric})
-	assert.ErrorIs(t, err, cuda.ErrorNotSupported)
+	assert.ErrorIs(t, err, driver.ErrorInvalidValue, "not a multiple of the granularity")
+	_, err = d.MemCreate(g, driver.MemAllocationProp{Location: dev, HandleTypes: driver.MemHandleFabric})
+	assert.ErrorIs(t, err, driver.ErrorNotSupported)
 
 	h, err := d.MemCreate(2*g, prop)
 	require.NoError(t, err)
@@ -60,24 +60,24 @@ func TestVMMMapAndAccess(t *testing.T) {
 	p, err := d.MemAddressReserve(2*g, 0)
 	require.NoError(t, err)
 	assert.Zero(t, uint64(p)%uint64(g), "aligned to the granularity")
-	assert.ErrorIs(t, d.MemMap(p+1, g, h), cuda.ErrorInvalidValue, "not at a granule")
-	assert.ErrorIs(t, d.MemMap(p, 4*g, h), cuda.ErrorInvalidValue, "beyond the reservation")
+	assert.ErrorIs(t, d.MemMap(p+1, g, h), driver.ErrorInvalidValue, "not at a granule")
+	assert.ErrorIs(t, d.MemMap(p, 4*g, h), driver.ErrorInvalidValue, "beyond the reservation")
 	require.NoError(t, d.MemMap(p, 2*g, h))
-	assert.ErrorIs(t, d.MemMap(p, g, h), cuda.ErrorInvalidValue, "overlapping")
+	assert.ErrorIs(t, d.MemMap(p, g, h), driver.ErrorInvalidValue, "overlapping")
 	_, err = d.Bytes(p, 16)
-	assert.ErrorIs(t, err, cuda.ErrorIllegalAddress, "no access before MemSetAccess")
-	require.NoError(t, d.MemSetAccess(p, 2*g, dev, cuda.MemAccessReadWrite))
+	assert.ErrorIs(t, err, driver.ErrorIllegalAddress, "no access before MemSetAccess")
+	require.NoError(t, d.MemSetAccess(p, 2*g, dev, driver.MemAccessReadWrite))
 	require.NoError(t, d.MemsetD8(p.Add(g), 7, 4))
 	b, err := d.Bytes(p.Add(g), 4)
 	require.NoError(t, err)
 	assert.Equal(t, []byte{7, 7, 7, 7}, b)
-	start, err := d.PointerGetAttribute(cuda.PointerAttrRangeStartAddr, p.Add(g))
+	start, err := d.PointerGetAttribute(driver.PointerAttrRangeStartAddr, p.Add(g))
 	require.NoError(t, err)
 	assert.EqualValues(t, p, start)
 	_, err = d.Bytes(p.Add(2*g-2), 4)
-	assert.ErrorIs(t, err, cuda.ErrorIllegalAddress, "past the mapping")
+	assert.ErrorIs(t, err, driver.ErrorIllegalAddress, "past the mapping")
 
-	assert.ErrorIs(t, d.MemAddressFree(p, 2*g), cuda.ErrorInvalidValue, "still mapped")
+	assert.ErrorIs(t, d.MemAddressFree(p, 2*g), driver.ErrorInvalidValue, "still mapped")
 	require.NoError(t, d.MemRelease(h))
 	assert.Equal(t, []byte{7, 7, 7, 7}, b, "the mapping holds the memory after its handle is released")
 	require.NoError(t, d.MemUnmap(p, 2*g))
@@ -90,27 +90,27 @@ func TestVMMMapAndAccess(t *testing.T) {
 
 func TestVMMSharing(t *testing.T) {
 	w := fake.NewWorld()
-	for _, kind := range []cuda.MemHandleType{cuda.MemHandlePosixFD, cuda.MemHandleFabric} {
+	for _, kind := range []driver.MemHandleType{driver.MemHandlePosixFD, driver.MemHandleFabric} {
 		a := fake.New(fake.Config{World: w, Devices: 2, Fabric: true})
 		b := fake.New(fake.Config{World: w, Devices: 2, Fabric: true})
-		devA, devB := cuda.NewDevice(a, 0), cuda.NewDevice(b, 1)
+		devA, devB := driver.NewDevice(a, 0), driver.NewDevice(b, 1)
 		for _, x := range []struct {
 			d   *fake.Driver
-			dev cuda.Device
+			dev driver.Device
 		}{{a, devA}, {b, devB}} {
 			ctx, err := x.dev.PrimaryContext()
 			require.NoError(t, err)
 			require.NoError(t, ctx.MakeCurrent())
 		}
 		g := fake.Granularity
-		h, err := a.MemCreate(g, cuda.MemAllocationProp{Location: devA, HandleTypes: kind})
+		h, err := a.MemCreate(g, driver.MemAllocationProp{Location: devA, HandleTypes: kind})
 		require.NoError(t, err)
 		pa := mapHere(t, a, h, g, devA)
 
-		var hb cuda.MemHandle
-		if kind == cuda.MemHandlePosixFD {
+		var hb driver.MemHandle
+		if kind == driver.MemHandlePosixFD {
 			_, err = a.MemExportToFabric(h)
-			assert.ErrorIs(t, err, cuda.ErrorInvalidValue, "not created for fabric handles")
+			assert.ErrorIs(t, err, driver.ErrorInvalidValue, "not created for fabric handles")
 			fd, err := a.MemExportToFD(h)
 			require.NoError(t, err)
 			hb, err = b.MemImportFromFD(fd)
@@ -121,16 +121,16 @@ func TestVMMSharing(t *testing.T) {
 			defer os.Remove(f.Name())
 			defer f.Close()
 			_, err = b.MemImportFromFD(int(f.Fd()))
-			assert.ErrorIs(t, err, cuda.ErrorInvalidValue, "a file that is no device memory")
+			assert.ErrorIs(t, err, driver.ErrorInvalidValue, "a file that is no device memory")
 		} else {
 			_, err = a.MemExportToFD(h)
-			assert.ErrorIs(t, err, cuda.ErrorInvalidValue, "not created for file descriptors")
+			assert.ErrorIs(t, err, driver.ErrorInvalidValue, "not created for file descriptors")
 			fh, err := a.MemExportToFabric(h)
 			require.NoError(t, err)
 			hb, err = b.MemImportFromFabric(fh)
 			require.NoError(t, err)
-			_, err = b.MemImportFromFabric(cuda.FabricHandle{})
-			assert.ErrorIs(t, err, cuda.ErrorInvalidValue)
+			_, err = b.MemImportFromFabric(driver.FabricHandle{})
+			assert.ErrorIs(t, err, driver.ErrorInvalidValue)
 		}
 		pb := mapHere(t, b, hb, g, devB)
 		assert.NotEqual(t, pa, pb, "each process maps at its own address")
@@ -138,7 +138,7 @@ func TestVMMSharing(t *testing.T) {
 		got, err := a.Bytes(pa.Add(100), 1)
 		require.NoError(t, err)
 		assert.Equal(t, []byte{9}, got, "both map the same memory")
-		ord, err := b.PointerGetAttribute(cuda.PointerAttrDeviceOrdinal, pb)
+		ord, err := b.PointerGetAttribute(driver.PointerAttrDeviceOrdinal, pb)
 		require.NoError(t, err)
 		assert.EqualValues(t, 0, ord, "the memory is on the exporter's device")
 
@@ -155,26 +155,26 @@ func TestVMMSharing(t *testing.T) {
 
 func TestVMMConfig(t *testing.T) {
 	noIMEX := fake.New(fake.Config{Fabric: true, NoIMEX: true})
-	dev := cuda.NewDevice(noIMEX, 0)
+	dev := driver.NewDevice(noIMEX, 0)
 	ctx, err := dev.PrimaryContext()
 	require.NoError(t, err)
 	require.NoError(t, ctx.MakeCurrent())
-	v, err := dev.Attribute(cuda.AttrHandleTypeFabric)
+	v, err := dev.Attribute(driver.AttrHandleTypeFabric)
 	require.NoError(t, err)
 	assert.Equal(t, 1, v, "the device supports fabric handles")
-	_, err = noIMEX.MemCreate(fake.Granularity, cuda.MemAllocationProp{Location: dev, HandleTypes: cuda.MemHandleFabric})
-	assert.ErrorIs(t, err, cuda.ErrorNotPermitted, "but the host has no IMEX channel")
+	_, err = noIMEX.MemCreate(fake.Granularity, driver.MemAllocationProp{Location: dev, HandleTypes: driver.MemHandleFabric})
+	assert.ErrorIs(t, err, driver.ErrorNotPermitted, "but the host has no IMEX channel")
 
 	noVMM := fake.New(fake.Config{NoVMM: true, Fabric: true})
-	dev = cuda.NewDevice(noVMM, 0)
+	dev = driver.NewDevice(noVMM, 0)
 	ctx, err = dev.PrimaryContext()
 	require.NoError(t, err)
 	require.NoError(t, ctx.MakeCurrent())
-	for _, attr := range []cuda.DeviceAttribute{cuda.AttrVirtualMemoryManagement, cuda.AttrHandleTypePosixFD, cuda.AttrHandleTypeFabric} {
+	for _, attr := range []driver.DeviceAttribute{driver.AttrVirtualMemoryManagement, driver.AttrHandleTypePosixFD, driver.AttrHandleTypeFabric} {
 		v, err := dev.Attribute(attr)
 		require.NoError(t, err)
 		assert.Zero(t, v, "attribute %d", attr)
 	}
 	_, err = noVMM.MemAddressReserve(fake.Granularity, 0)
-	assert.ErrorIs(t, err, cuda.ErrorNotSupported)
+	assert.ErrorIs(t, err, driver.ErrorNotSupported)
 }

@@ -12,12 +12,12 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pyep/pyep/goep/cuda"
-	"github.com/pyep/pyep/goep/cuda/fake"
+	"github.com/pyep/pyep/goep/cuda/driver"
+	"github.com/pyep/pyep/goep/cuda/driver/fake"
 )
 
 // process is one fake rank with its device's primary context current.
-func process(t *testing.T, w *fake.World, ordinal int) (*fake.Driver, cuda.Context) {
+func process(t *testing.T, w *fake.World, ordinal int) (*fake.Driver, driver.Context) {
 	t.Helper()
 	d := fake.New(fake.Config{World: w, Devices: 8})
 	dev, err := d.DeviceGet(ordinal)
@@ -37,13 +37,13 @@ func TestDevices(t *testing.T) {
 	dev, err := d.DeviceGet(1)
 	require.NoError(t, err)
 	tests := []struct {
-		attr cuda.DeviceAttribute
+		attr driver.DeviceAttribute
 		want int
 	}{
-		{cuda.AttrMultiprocessorCount, 78},
-		{cuda.AttrComputeCapabilityMajor, 9},
-		{cuda.AttrComputeCapabilityMinor, 0},
-		{cuda.AttrMaxThreadsPerBlock, 1024},
+		{driver.AttrMultiprocessorCount, 78},
+		{driver.AttrComputeCapabilityMajor, 9},
+		{driver.AttrComputeCapabilityMinor, 0},
+		{driver.AttrMaxThreadsPerBlock, 1024},
 	}
 	for _, tt := range tests {
 		got, err := dev.Attribute(tt.attr)
@@ -64,13 +64,13 @@ func TestDevices(t *testing.T) {
 	assert.True(t, ok)
 
 	_, err = d.DeviceGet(2)
-	assert.ErrorIs(t, err, cuda.ErrorInvalidDevice)
+	assert.ErrorIs(t, err, driver.ErrorInvalidDevice)
 }
 
 func TestNeedsCurrentContext(t *testing.T) {
 	d := fake.New(fake.Config{})
 	_, err := d.MemAlloc(16)
-	assert.ErrorIs(t, err, cuda.ErrorInvalidContext)
+	assert.ErrorIs(t, err, driver.ErrorInvalidContext)
 
 	dev, err := d.DeviceGet(0)
 	require.NoError(t, err)
@@ -85,7 +85,7 @@ func TestNeedsCurrentContext(t *testing.T) {
 	require.NoError(t, d.MemFree(p))
 
 	require.NoError(t, ctx.Release())
-	assert.ErrorIs(t, ctx.Release(), cuda.ErrorInvalidContext, "released more often than retained")
+	assert.ErrorIs(t, ctx.Release(), driver.ErrorInvalidContext, "released more often than retained")
 }
 
 func TestMemory(t *testing.T) {
@@ -102,7 +102,7 @@ func TestMemory(t *testing.T) {
 
 	q, err := d.MemAlloc(1000)
 	require.NoError(t, err)
-	s, err := d.StreamCreate(cuda.StreamNonBlocking, 0)
+	s, err := d.StreamCreate(driver.StreamNonBlocking, 0)
 	require.NoError(t, err)
 	require.NoError(t, d.MemsetD8Async(q, 7, 1000, s))
 	require.NoError(t, d.MemcpyAsync(q.Add(500), p.Add(10), 3, s))
@@ -111,13 +111,13 @@ func TestMemory(t *testing.T) {
 	assert.Equal(t, []byte{7, 1, 2, 3, 7}, b)
 
 	_, err = d.Bytes(p.Add(999), 2)
-	assert.ErrorIs(t, err, cuda.ErrorIllegalAddress, "overrun")
-	assert.ErrorIs(t, d.MemcpyHtoD(p.Add(5000), []byte{1}), cuda.ErrorIllegalAddress)
+	assert.ErrorIs(t, err, driver.ErrorIllegalAddress, "overrun")
+	assert.ErrorIs(t, d.MemcpyHtoD(p.Add(5000), []byte{1}), driver.ErrorIllegalAddress)
 
-	size, err := d.PointerGetAttribute(cuda.PointerAttrRangeSize, p.Add(17))
+	size, err := d.PointerGetAttribute(driver.PointerAttrRangeSize, p.Add(17))
 	require.NoError(t, err)
 	assert.EqualValues(t, 1000, size)
-	start, err := d.PointerGetAttribute(cuda.PointerAttrRangeStartAddr, p.Add(17))
+	start, err := d.PointerGetAttribute(driver.PointerAttrRangeStartAddr, p.Add(17))
 	require.NoError(t, err)
 	assert.EqualValues(t, p, start)
 
@@ -125,11 +125,11 @@ func TestMemory(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, total-2000, free)
 	_, err = d.MemAlloc(total)
-	assert.ErrorIs(t, err, cuda.ErrorOutOfMemory)
+	assert.ErrorIs(t, err, driver.ErrorOutOfMemory)
 	_, err = d.MemAlloc(0)
-	assert.ErrorIs(t, err, cuda.ErrorInvalidValue)
+	assert.ErrorIs(t, err, driver.ErrorInvalidValue)
 
-	assert.ErrorIs(t, d.MemFree(p.Add(1)), cuda.ErrorInvalidValue, "not the start of an allocation")
+	assert.ErrorIs(t, d.MemFree(p.Add(1)), driver.ErrorInvalidValue, "not the start of an allocation")
 	require.NoError(t, d.MemFree(p))
 	require.NoError(t, d.MemFree(q))
 	require.NoError(t, s.Destroy())
@@ -138,16 +138,16 @@ func TestMemory(t *testing.T) {
 
 func TestHostMappedMemory(t *testing.T) {
 	d, _ := process(t, nil, 0)
-	h, err := d.MemHostAlloc(64, cuda.HostAllocDeviceMap|cuda.HostAllocPortable)
+	h, err := d.MemHostAlloc(64, driver.HostAllocDeviceMap|driver.HostAllocPortable)
 	require.NoError(t, err)
 	dp, err := d.MemHostGetDevicePointer(h)
 	require.NoError(t, err)
 	require.NoError(t, d.MemsetD8(dp.Add(4), 9, 2))
 	host := unsafe.Slice((*byte)(h), 64)
 	assert.Equal(t, []byte{0, 9, 9, 0}, host[3:7], "the device's writes show on the host")
-	kind, err := d.PointerGetAttribute(cuda.PointerAttrMemoryType, dp)
+	kind, err := d.PointerGetAttribute(driver.PointerAttrMemoryType, dp)
 	require.NoError(t, err)
-	assert.EqualValues(t, cuda.MemoryTypeHost, kind)
+	assert.EqualValues(t, driver.MemoryTypeHost, kind)
 	require.NoError(t, d.MemFreeHost(h))
 	assert.Zero(t, d.Live())
 }
@@ -162,12 +162,12 @@ func TestIPC(t *testing.T) {
 	h, err := a.IpcGetMemHandle(p)
 	require.NoError(t, err)
 	_, err = a.IpcOpenMemHandle(h)
-	assert.ErrorIs(t, err, cuda.ErrorInvalidContext, "a process cannot open its own handle")
+	assert.ErrorIs(t, err, driver.ErrorInvalidContext, "a process cannot open its own handle")
 
 	peer, err := b.IpcOpenMemHandle(h)
 	require.NoError(t, err)
 	_, err = b.IpcOpenMemHandle(h)
-	assert.ErrorIs(t, err, cuda.ErrorInvalidValue, "opened twice")
+	assert.ErrorIs(t, err, driver.ErrorInvalidValue, "opened twice")
 	require.NoError(t, b.MemsetD8(peer.Add(100), 5, 1))
 	got, err := a.Bytes(p.Add(100), 1)
 	require.NoError(t, err)
@@ -178,13 +178,13 @@ func TestIPC(t *testing.T) {
 	_, err = b.Bytes(peer, 256)
 	assert.NoError(t, err)
 	require.NoError(t, b.IpcCloseMemHandle(peer))
-	assert.ErrorIs(t, b.IpcCloseMemHandle(peer), cuda.ErrorInvalidValue)
+	assert.ErrorIs(t, b.IpcCloseMemHandle(peer), driver.ErrorInvalidValue)
 	_, err = b.IpcOpenMemHandle(h)
-	assert.ErrorIs(t, err, cuda.ErrorInvalidValue, "the allocation is gone")
+	assert.ErrorIs(t, err, driver.ErrorInvalidValue, "the allocation is gone")
 
-	var garbage cuda.IpcMemHandle
+	var garbage driver.IpcMemHandle
 	_, err = b.IpcOpenMemHandle(garbage)
-	assert.ErrorIs(t, err, cuda.ErrorInvalidValue)
+	assert.ErrorIs(t, err, driver.ErrorInvalidValue)
 	assert.Zero(t, a.Live())
 	assert.Zero(t, b.Live())
 }
@@ -216,7 +216,7 @@ func TestLaunch(t *testing.T) {
 	mod, err := d.ModuleLoadData([]byte("\x7fELF..."))
 	require.NoError(t, err)
 	_, err = mod.Function("missing")
-	assert.ErrorIs(t, err, cuda.ErrorNotFound)
+	assert.ErrorIs(t, err, driver.ErrorNotFound)
 	fn, err := mod.Function("axpy")
 	require.NoError(t, err)
 	assert.Equal(t, "axpy", fn.Name())
@@ -237,11 +237,11 @@ func TestLaunch(t *testing.T) {
 
 	// Parameters in one struct, reused across launches, as the backend will keep them.
 	params := struct {
-		x, y cuda.DevicePtr
+		x, y driver.DevicePtr
 		a    float32
 		n    int32
 	}{x, y, 2, n}
-	stream := cuda.WrapStream(d, 0)
+	stream := driver.WrapStream(d, 0)
 	args := []unsafe.Pointer{unsafe.Pointer(&params.x), unsafe.Pointer(&params.y), unsafe.Pointer(&params.a), unsafe.Pointer(&params.n)}
 	require.NoError(t, fn.Launch([3]uint32{1, 1, 1}, [3]uint32{32, 1, 1}, 0, stream, args...))
 	require.NoError(t, d.MemcpyDtoH(ys, y))
@@ -253,20 +253,20 @@ func TestLaunch(t *testing.T) {
 		name         string
 		grid, block  [3]uint32
 		shared       uint32
-		stream       cuda.Stream
+		stream       driver.Stream
 		want         error
 		setMaxShared int
 	}{
-		{"empty grid", [3]uint32{0, 1, 1}, [3]uint32{32, 1, 1}, 0, stream, cuda.ErrorInvalidValue, 0},
-		{"block too large", [3]uint32{1, 1, 1}, [3]uint32{1024, 2, 1}, 0, stream, cuda.ErrorInvalidValue, 0},
-		{"shared memory above 48 KiB unannounced", [3]uint32{1, 1, 1}, [3]uint32{32, 1, 1}, 64 << 10, stream, cuda.ErrorInvalidValue, 0},
+		{"empty grid", [3]uint32{0, 1, 1}, [3]uint32{32, 1, 1}, 0, stream, driver.ErrorInvalidValue, 0},
+		{"block too large", [3]uint32{1, 1, 1}, [3]uint32{1024, 2, 1}, 0, stream, driver.ErrorInvalidValue, 0},
+		{"shared memory above 48 KiB unannounced", [3]uint32{1, 1, 1}, [3]uint32{32, 1, 1}, 64 << 10, stream, driver.ErrorInvalidValue, 0},
 		{"shared memory announced", [3]uint32{1, 1, 1}, [3]uint32{32, 1, 1}, 64 << 10, stream, nil, 64 << 10},
-		{"unknown stream", [3]uint32{1, 1, 1}, [3]uint32{32, 1, 1}, 0, cuda.WrapStream(d, 0xdead), cuda.ErrorInvalidHandle, 0},
+		{"unknown stream", [3]uint32{1, 1, 1}, [3]uint32{32, 1, 1}, 0, driver.WrapStream(d, 0xdead), driver.ErrorInvalidHandle, 0},
 	}
 	for _, tt := range bad {
 		t.Run(tt.name, func(t *testing.T) {
 			if tt.setMaxShared != 0 {
-				require.NoError(t, fn.SetAttribute(cuda.FuncAttrMaxDynamicSharedSizeBytes, tt.setMaxShared))
+				require.NoError(t, fn.SetAttribute(driver.FuncAttrMaxDynamicSharedSizeBytes, tt.setMaxShared))
 			}
 			err := fn.Launch(tt.grid, tt.block, tt.shared, tt.stream, args...)
 			if tt.want == nil {
@@ -277,7 +277,7 @@ func TestLaunch(t *testing.T) {
 		})
 	}
 
-	tooMany := make([]unsafe.Pointer, cuda.MaxKernelArgs+1)
+	tooMany := make([]unsafe.Pointer, driver.MaxKernelArgs+1)
 	assert.ErrorContains(t, fn.Launch([3]uint32{1, 1, 1}, [3]uint32{1, 1, 1}, 0, stream, tooMany...), "at most 64")
 
 	failing := errors.New("boom")
@@ -297,19 +297,19 @@ func TestStreamsAndEvents(t *testing.T) {
 	d, _ := process(t, nil, 0)
 	least, greatest, err := d.CtxGetStreamPriorityRange()
 	require.NoError(t, err)
-	s, err := d.StreamCreate(cuda.StreamNonBlocking, greatest)
+	s, err := d.StreamCreate(driver.StreamNonBlocking, greatest)
 	require.NoError(t, err)
 	assert.Less(t, greatest, least+1)
 
-	start, err := d.EventCreate(cuda.EventDefault)
+	start, err := d.EventCreate(driver.EventDefault)
 	require.NoError(t, err)
-	end, err := d.EventCreate(cuda.EventDefault)
+	end, err := d.EventCreate(driver.EventDefault)
 	require.NoError(t, err)
-	untimed, err := d.EventCreate(cuda.EventDisableTiming)
+	untimed, err := d.EventCreate(driver.EventDisableTiming)
 	require.NoError(t, err)
 
 	_, err = start.Elapsed(end)
-	assert.ErrorIs(t, err, cuda.ErrorInvalidHandle, "not recorded yet")
+	assert.ErrorIs(t, err, driver.ErrorInvalidHandle, "not recorded yet")
 	require.NoError(t, start.Record(s))
 	time.Sleep(2 * time.Millisecond)
 	require.NoError(t, end.Record(s))
@@ -318,9 +318,9 @@ func TestStreamsAndEvents(t *testing.T) {
 	require.NoError(t, err)
 	assert.GreaterOrEqual(t, elapsed, 2*time.Millisecond)
 	_, err = start.Elapsed(untimed)
-	assert.ErrorIs(t, err, cuda.ErrorInvalidHandle)
+	assert.ErrorIs(t, err, driver.ErrorInvalidHandle)
 
-	other, err := d.StreamCreate(cuda.StreamDefault, 0)
+	other, err := d.StreamCreate(driver.StreamDefault, 0)
 	require.NoError(t, err)
 	require.NoError(t, other.WaitEvent(end))
 	done, err := end.Query()
@@ -332,21 +332,21 @@ func TestStreamsAndEvents(t *testing.T) {
 	require.NoError(t, s.Synchronize())
 	require.NoError(t, end.Synchronize())
 
-	for _, e := range []cuda.Event{start, end, untimed} {
+	for _, e := range []driver.Event{start, end, untimed} {
 		require.NoError(t, e.Destroy())
 	}
-	assert.ErrorIs(t, start.Destroy(), cuda.ErrorInvalidHandle)
+	assert.ErrorIs(t, start.Destroy(), driver.ErrorInvalidHandle)
 	require.NoError(t, s.Destroy())
 	require.NoError(t, other.Destroy())
-	assert.ErrorIs(t, cuda.WrapStream(d, 0).Destroy(), cuda.ErrorInvalidHandle, "the default stream is not ours to destroy")
+	assert.ErrorIs(t, driver.WrapStream(d, 0).Destroy(), driver.ErrorInvalidHandle, "the default stream is not ours to destroy")
 	assert.Zero(t, d.Live())
 }
 
 func TestFailNext(t *testing.T) {
 	d, _ := process(t, nil, 0)
-	d.FailNext("MemAlloc", cuda.ErrorOutOfMemory)
+	d.FailNext("MemAlloc", driver.ErrorOutOfMemory)
 	_, err := d.MemAlloc(16)
-	require.ErrorIs(t, err, cuda.ErrorOutOfMemory)
+	require.ErrorIs(t, err, driver.ErrorOutOfMemory)
 	assert.Contains(t, err.Error(), "CUDA_ERROR_OUT_OF_MEMORY: out of memory")
 	p, err := d.MemAlloc(16)
 	require.NoError(t, err, "only the next call fails")

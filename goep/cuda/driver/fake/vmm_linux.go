@@ -6,7 +6,7 @@ import (
 	"os"
 	"syscall"
 
-	"github.com/pyep/pyep/goep/cuda"
+	"github.com/pyep/pyep/goep/cuda/driver"
 )
 
 const vmmSupported = true
@@ -99,12 +99,12 @@ func unmapFile(p uintptr, n int) error {
 	return err
 }
 
-func protect(p uintptr, n int, flags cuda.MemAccessFlags) error {
+func protect(p uintptr, n int, flags driver.MemAccessFlags) error {
 	prot := syscall.PROT_NONE
 	switch flags {
-	case cuda.MemAccessRead:
+	case driver.MemAccessRead:
 		prot = syscall.PROT_READ
-	case cuda.MemAccessReadWrite:
+	case driver.MemAccessReadWrite:
 		prot = syscall.PROT_READ | syscall.PROT_WRITE
 	}
 	if _, _, errno := syscall.Syscall(syscall.SYS_MPROTECT, p, uintptr(n), uintptr(prot)); errno != 0 {

@@ -1,9 +1,9 @@
-package cuda
+package driver
 
 import "unsafe"
 
 // Driver is the part of the CUDA driver API that pyep's cuda backend uses. Open returns the
-// real one (libcuda through dlopen); goep/cuda/fake implements it over host memory, so that the
+// real one (libcuda through dlopen); goep/cuda/driver/fake implements it over host memory, so that the
 // backend's logic (buffer layout, IPC handle exchange, launch plumbing, error paths) is tested
 // on machines without a GPU. The handle types (Device, Stream, ...) carry their Driver, so code
 // written against them runs unchanged on either.

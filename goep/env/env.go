@@ -1,0 +1,68 @@
+// Package env is where the Go core reads its PYEP_* environment variables: each one is named
+// and parsed here, once, and the packages that use it ask here. The README's table of the
+// environment lists the same names. (The Python layer reads its own: PYEP_BACKEND,
+// PYEP_QUEUED_DISPATCH, PYEP_TUNING_FILE.)
+package env
+
+import (
+	"os"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// The variables.
+const (
+	TimeoutS      = "PYEP_TIMEOUT_S"      // bound of every wait on a peer, seconds
+	NormalThreads = "PYEP_NORMAL_THREADS" // block size of the cuda dispatch and combine kernels
+	JITFlags      = "PYEP_JIT_FLAGS"      // extra NVRTC options, space-separated
+	JITCacheDir   = "PYEP_JIT_CACHE_DIR"  // the kernel cache's directory
+	JITQuiet      = "PYEP_JIT_QUIET"      // no log line for a cold compile
+	NVRTC         = "PYEP_NVRTC"          // the NVRTC library to load
+	SitePackages  = "PYEP_SITE_PACKAGES"  // where Python's packages are (NVIDIA's wheels), set by pyep
+	DebugSync     = "PYEP_DEBUG_SYNC"     // every launch waits for its kernel
+	MemHandle     = "PYEP_MEM_HANDLE"     // use_fabric's handle kind: auto, fabric or fd
+)
+
+// Get reads name now, from the C library's environment when the core is a library of a C
+// host process (Python's os.environ calls putenv; os.Getenv sees only the environment of the
+// moment the Go runtime started).
+func Get(name string) string { return getenv(name) }
+
+// Timeout is PYEP_TIMEOUT_S as read at start-up, and whether it was a positive number.
+func Timeout() (time.Duration, bool) {
+	s, err := strconv.ParseFloat(os.Getenv(TimeoutS), 64)
+	if err != nil || !(s > 0) {
+		return 0, false
+	}
+	return time.Duration(s * float64(time.Second)), true
+}
+
+// Threads is PYEP_NORMAL_THREADS as read at start-up: a multiple of 32 from 64 to 1024, else def.
+func Threads(def int) int { return parseThreads(os.Getenv(NormalThreads), def) }
+
+func parseThreads(s string, def int) int {
+	n, err := strconv.Atoi(strings.TrimSpace(s))
+	if err != nil || n < 64 || n > 1024 || n%32 != 0 {
+		return def
+	}
+	return n
+}
+
+// Flags is PYEP_JIT_FLAGS as read at start-up.
+func Flags() []string { return strings.Fields(os.Getenv(JITFlags)) }
+
+// Sync reports whether PYEP_DEBUG_SYNC=1 was set at start-up.
+func Sync() bool { return os.Getenv(DebugSync) == "1" }
+
+// Quiet reports whether PYEP_JIT_QUIET asks for no compile reports.
+func Quiet() bool {
+	switch os.Getenv(JITQuiet) {
+	case "", "0", "false", "no":
+		return false
+	}
+	return true
+}
+
+// CacheDir is PYEP_JIT_CACHE_DIR ("" when unset).
+func CacheDir() string { return os.Getenv(JITCacheDir) }

@@ -1,0 +1,118 @@
+// params.h: the host-kernel ABI of normal mode, declared once. The kernels (intranode.cu,
+// layout.cu, compiled by NVRTC or, for the emulator, by the host C++ compiler) and the Go engine
+// (goep/cuda, through cgo) both include this file, so a launch's parameter struct and the
+// records the host reads have one definition. Plain C: no toolkit headers (NVRTC has none), no
+// namespaces; every field is 8 or 4 bytes, laid out alike by every compiler (the asserts below
+// and goep/cuda's TestNormalParamLayouts check it).
+#ifndef PYEP_PARAMS_H
+#define PYEP_PARAMS_H
+
+typedef unsigned long long pyep_u64;
+typedef long long pyep_i64;
+typedef int pyep_i32;
+
+// Everything a kernel needs about the call and the domain.
+struct pyep_ctx {
+    pyep_u64 data[8];        // data region of NVLink rank i, as mapped here
+    pyep_u64 ctl[8];         // control region of NVLink rank i
+    pyep_u64 err;            // OpError in host-mapped memory
+    pyep_u64 seq;            // this call's first barrier number (the second is seq + 1)
+    pyep_u64 timeout_ns;     // bound of every wait
+    pyep_u64 counter_bytes;  // tails and heads: the first counter_bytes of every data region
+    pyep_u64 head_off;       // offset of the heads array
+    pyep_i32 rank;           // this rank's NVLink rank
+    pyep_i32 num_channels;   // C
+    pyep_i32 ring_slots;     // slots of every ring (num_max_nvl_chunked_recv_tokens)
+    pyep_i32 chunk;          // num_max_nvl_chunked_send_tokens (unused: warps publish as they go)
+};
+
+// notify: the count exchange of a dispatch.
+struct pyep_notify_params {
+    struct pyep_ctx ctx;
+    pyep_u64 in_rank;              // bool [T, R]
+    pyep_u64 per_rank;             // i32 [R]
+    pyep_u64 per_expert;           // i32 [E]
+    pyep_u64 topk;                 // i64 [T, K], or 0
+    pyep_u64 rank_prefix;          // out i32 [R, R]
+    pyep_u64 channel_prefix;       // out i32 [R, C]
+    pyep_u64 recv_channel_prefix;  // out i32 [R, C]
+    pyep_u64 recv_per_expert;      // out i32 [E/R]
+    pyep_u64 result;               // NotifyResult in host-mapped memory
+    pyep_u64 scratch_off;          // the scratch: R blocks of block_bytes, in every data region
+    pyep_u64 block_bytes;
+    pyep_i32 num_tokens, num_topk, num_experts, alignment;
+    pyep_i32 num_worst;
+    // Rows this rank allocated for a dispatch launched before the host learns the counts
+    // (0: none). It runs only if every rank's rows fit: notify then writes its seq at kCtlGo.
+    pyep_i32 capacity;
+    // The last get_dispatch_layout's record of a bad index (layout.cu; 0: no layout yet) and
+    // its tag: a match fails this dispatch on every rank.
+    pyep_u64 layout_rec, layout_tag;
+};
+
+// Host-mapped answer of notify; the host waits for tag == seq.
+struct pyep_notify_result {
+    pyep_u64 tag;
+    pyep_i32 num_recv;
+    pyep_i32 status;       // a kStatus
+    pyep_i32 bad_rank;     // kStatusPeer: the peer; kStatusWorst: the rank receiving most
+    pyep_i32 peer_status;  // kStatusPeer: the peer's own status
+    pyep_i64 d0, d1, d2;
+    pyep_i32 go;  // with a capacity: every rank's rows fit, the speculative dispatch runs
+    pyep_i32 pad;
+    // followed by i32 per_expert[E/R]
+};
+
+// The prologue of a cached dispatch or a combine.
+struct pyep_prologue_params {
+    struct pyep_ctx ctx;
+    pyep_i32 op, pad;
+};
+
+struct pyep_dispatch_params {
+    struct pyep_ctx ctx;
+    pyep_u64 x, x_scales, topk, weights, in_rank, rank_prefix, channel_prefix;
+    pyep_u64 recv_x, recv_scales, recv_src, recv_topk, recv_weights, recv_channel_prefix, send_head;
+    pyep_u64 off_hidden, off_scales, off_src, off_topk, off_weights;  // slot field arrays, all rings
+    pyep_i32 num_tokens, num_experts, num_out_rows;
+    // Scale j of token t is word t * scale_token_stride + j * scale_stride of x_scales: DeepEP's
+    // callers pass column-major scales (strides 1, num_tokens) as often as row-major ones.
+    pyep_i32 scale_token_stride, scale_stride, pad;
+    // A speculative dispatch (launched behind its notify, into num_out_rows allocated rows):
+    // that notify's seq, and the kernel runs only if the notify left it at kCtlGo. 0: runs.
+    pyep_u64 go_seq;
+};
+
+struct pyep_combine_params {
+    struct pyep_ctx ctx;
+    pyep_u64 x, weights, src_idx, rank_prefix, channel_prefix, send_head, bias0, bias1, out, out_weights;
+    pyep_u64 off_row, off_src, off_weights;
+    pyep_i32 num_tokens, num_rows, pad0, pad1;
+};
+
+// layout.cu's get_dispatch_layout.
+struct pyep_layout_params {
+    pyep_u64 topk;        // i64 [T, K]
+    pyep_u64 per_rank;    // out i32 [R]
+    pyep_u64 per_expert;  // out i32 [E]
+    pyep_u64 in_rank;     // out bool [T, R]
+    pyep_u64 result;      // host-mapped u64 [3], written only on a bad index: tag, token << 32 | choice, value
+    pyep_u64 tag;
+    pyep_i32 num_tokens, num_topk, num_experts, num_ranks;
+};
+
+#ifdef __cplusplus
+#define PYEP_ABI_SIZE(T, n) static_assert(sizeof(T) == n, #T " is laid out as the host expects")
+#else
+#define PYEP_ABI_SIZE(T, n) _Static_assert(sizeof(T) == n, #T " is laid out as the kernels expect")
+#endif
+PYEP_ABI_SIZE(struct pyep_ctx, 184);
+PYEP_ABI_SIZE(struct pyep_notify_params, 312);
+PYEP_ABI_SIZE(struct pyep_notify_result, 56);
+PYEP_ABI_SIZE(struct pyep_prologue_params, 192);
+PYEP_ABI_SIZE(struct pyep_dispatch_params, 368);
+PYEP_ABI_SIZE(struct pyep_combine_params, 304);
+PYEP_ABI_SIZE(struct pyep_layout_params, 64);
+#undef PYEP_ABI_SIZE
+
+#endif  // PYEP_PARAMS_H
