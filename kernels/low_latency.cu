@@ -114,30 +114,35 @@ PYEP_DEVICE void timed_out(const LLParams& p, int peer, int what, u64 waited) {
     st_release_sys(&e->code, 1u);
 }
 
-// Lane 0 waits until ready(), the peer is masked, or the timeout. Returns on every lane whether
-// ready() held.
+// One thread waits until ready(), the peer is masked, or the timeout (see timed_out); spent is the
+// time it waited. Returns whether ready() held.
 template <typename Ready>
-PYEP_DEVICE bool warp_wait(const LLParams& p, int peer, int what, Ready ready, u64* waited) {
-    i32 ok = 1;
-    u64 spent = 0;
-    if (lane_id() == 0 && !ready()) {
-        const u64 start = globaltimer();
-        for (;;) {
-            if (ready()) break;
-            if (masked(p, peer)) {
-                ok = 0;
-                break;
-            }
-            const u64 now = globaltimer();
-            if (now - start > p.timeout_ns) {
-                timed_out(p, peer, what, now - start);
-                ok = 0;
-                break;
-            }
+PYEP_DEVICE bool thread_wait(const LLParams& p, int peer, int what, Ready ready, u64& spent) {
+    spent = 0;
+    if (ready()) return true;
+    const u64 start = globaltimer();
+    bool ok = true;
+    while (!ready()) {
+        const u64 now = globaltimer();
+        if (masked(p, peer)) {
+            ok = false;
+            break;
         }
-        spent = globaltimer() - start;
+        if (now - start > p.timeout_ns) {
+            timed_out(p, peer, what, now - start);
+            ok = false;
+            break;
+        }
     }
-    if (waited != nullptr) *waited += spent;
+    spent = globaltimer() - start;
+    return ok;
+}
+
+// Lane 0 waits as thread_wait; every lane learns whether ready() held.
+template <typename Ready>
+PYEP_DEVICE bool warp_wait(const LLParams& p, int peer, int what, Ready ready) {
+    u64 spent;
+    i32 ok = lane_id() == 0 ? thread_wait(p, peer, what, ready, spent) : 1;
     ok = __shfl_sync(0xffffffffu, ok, 0);
     __syncwarp();
     return ok != 0;
@@ -147,7 +152,7 @@ PYEP_DEVICE bool warp_wait(const LLParams& p, int peer, int what, Ready ready, u
 PYEP_DEVICE bool await_ack(const LLParams& p, int dst, u32 seq) {
     if (dst == p.rank || seq <= 1) return true;
     const u64* ack = reinterpret_cast<const u64*>(local(p) + p.off_ack) + p.half * p.num_ranks + dst;
-    return warp_wait(p, dst, kWaitAck, [&] { return ld_acquire_sys(ack) >= seq - 1; }, nullptr);
+    return warp_wait(p, dst, kWaitAck, [&] { return ld_acquire_sys(ack) >= seq - 1; });
 }
 
 // Lane 0 publishes v after the warp's stores.
@@ -323,21 +328,12 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
             i64 c = 0;
             if (r <= s && !masked(p, r)) {
                 const u64* f = flags + j * R + r;
-                const u64 start = globaltimer();
-                u64 v = ld_acquire_sys(f);
-                while (static_cast<u32>(v >> 32) != seq) {
-                    if (masked(p, r)) break;
-                    const u64 now = globaltimer();
-                    if (now - start > p.timeout_ns) {
-                        timed_out(p, r, kWaitDispatch, now - start);
-                        break;
-                    }
-                    v = ld_acquire_sys(f);
-                }
-                if (static_cast<u32>(v >> 32) == seq) c = static_cast<u32>(v);
+                u64 v = 0, spent;
+                if (thread_wait(p, r, kWaitDispatch, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; },
+                                spent))
+                    c = static_cast<u32>(v);
                 if (r == s && p.wait_stats != 0)
-                    atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s,
-                              static_cast<unsigned long long>(globaltimer() - start));
+                    atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s, static_cast<unsigned long long>(spent));
             }
             if (r < s) begin += c;
             if (r == s) n = c;
@@ -440,18 +436,10 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
     for (int g = static_cast<int>(threadIdx.x); g < E; g += kThreads) {
         const int s = g / L;
         if (masked(p, s)) continue;
-        const u64 start = globaltimer();
-        while (static_cast<u32>(ld_acquire_sys(flags + g) >> 32) != seq) {
-            if (masked(p, s)) break;
-            const u64 now = globaltimer();
-            if (now - start > p.timeout_ns) {
-                timed_out(p, s, kWaitCombine, now - start);
-                break;
-            }
-        }
+        u64 spent;
+        thread_wait(p, s, kWaitCombine, [&] { return static_cast<u32>(ld_acquire_sys(flags + g) >> 32) == seq; }, spent);
         if (blockIdx.x == 0 && p.wait_stats != 0)
-            atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s,
-                      static_cast<unsigned long long>(globaltimer() - start));
+            atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s, static_cast<unsigned long long>(spent));
     }
     __syncthreads();
     fence_acq_rel_sys();
