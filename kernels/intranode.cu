@@ -74,6 +74,7 @@
 #include "utils.cuh"
 #endif
 #include "protocol.cuh"
+#include "copy.cuh"
 
 namespace pyep {
 
@@ -439,22 +440,6 @@ PYEP_DEVICE void publish_tails(const Ctx& ctx, int c, const u64* s_tail, const i
 #define PYEP_COPY_UNROLL 8
 #endif
 constexpr int kCopyUnroll = PYEP_COPY_UNROLL;
-
-// Copies n vectors from src to dst with one warp, U vectors in flight per lane.
-
-// Every load of a round is issued before its stores (predicated, not a remainder loop).
-template <typename V, int U, bool kRingSource>
-PYEP_DEVICE void warp_copy(V* dst, const V* src, int n, int lane) {
-    for (int i = lane; i < n; i += 32 * U) {
-        V v[U];
-#pragma unroll
-        for (int u = 0; u < U; u++)
-            if (i + 32 * u < n) v[u] = kRingSource ? ld_ring(src + i + 32 * u) : ld_nc(src + i + 32 * u);
-#pragma unroll
-        for (int u = 0; u < U; u++)
-            if (i + 32 * u < n) st_na(dst + i + 32 * u, v[u]);
-    }
-}
 
 #endif  // PYEP_DISPATCH || PYEP_COMBINE
 

@@ -28,6 +28,7 @@
 #else
 #include "utils.cuh"
 #endif
+#include "copy.cuh"
 
 namespace pyep {
 
@@ -58,6 +59,7 @@ constexpr int kThreads = PYEP_LL_THREADS;
 constexpr int kWarps = kThreads / 32;
 constexpr int kScaleBlock = 128;
 constexpr int kMsgHeader = 16;  // int32 source token, 3 reserved
+constexpr int kCopyUnroll = 8;  // vectors in flight per lane when a warp copies a row (copy.cuh)
 static_assert(kHidden % kScaleBlock == 0 && kThreads % 32 == 0, "hidden is whole scale blocks");
 
 enum : int { kPhaseSend = 1, kPhaseRecv = 2 };
@@ -233,45 +235,55 @@ PYEP_DEVICE void put_message(const LLParams& p, u8* msg, int t) {
     if (lane == 0) *reinterpret_cast<i32*>(msg) = t;
     const u16* row = reinterpret_cast<const u16*>(p.x) + static_cast<i64>(t) * kHidden;
     if (!kFP8) {
-        const int4* src = reinterpret_cast<const int4*>(row);
-        int4* dst = reinterpret_cast<int4*>(msg + kMsgHeader);
-        for (int i = lane; i < kHidden / 8; i += 32) st_na(dst + i, ld_nc(src + i));
+        warp_copy<int4, kCopyUnroll, false>(reinterpret_cast<int4*>(msg + kMsgHeader), reinterpret_cast<const int4*>(row),
+                                            kHidden / 8, lane);
         return;
     }
-    // 16 lanes a scale block: lane handles 8 channels of block 2i + lane / 16.
+    // 16 lanes a scale block: in chunk c0 of 256 channels, lane handles 8 channels of its block
+    // 2 c0 + lane / 16. The loads of kCastBatch chunks go out before their casts and stores.
     u8* q = msg + kMsgHeader;
     float* scales = reinterpret_cast<float*>(msg + kMsgHeader + kHidden);
-    for (int c0 = 0; c0 < kHidden; c0 += 256) {
-        const int c = c0 + lane * 8;
-        const bool on = c < kHidden;
-        u16 v[8];
-        float amax = 1e-4f;
-        if (on) {
-            const int4 w = ld_nc(reinterpret_cast<const int4*>(row + c));
-            const u32 words[4] = {static_cast<u32>(w.x), static_cast<u32>(w.y), static_cast<u32>(w.z), static_cast<u32>(w.w)};
+    constexpr int kChunks = (kHidden + 255) / 256, kCastBatch = 4;
+    for (int b0 = 0; b0 < kChunks; b0 += kCastBatch) {
+        int4 in[kCastBatch];
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                v[2 * k] = static_cast<u16>(words[k] & 0xffffu);
-                v[2 * k + 1] = static_cast<u16>(words[k] >> 16);
+        for (int b = 0; b < kCastBatch; b++)
+            if (b0 + b < kChunks && (b0 + b) * 256 + lane * 8 < kHidden)
+                in[b] = ld_nc(reinterpret_cast<const int4*>(row + (b0 + b) * 256 + lane * 8));
+#pragma unroll
+        for (int b = 0; b < kCastBatch; b++) {
+            if (b0 + b >= kChunks) break;
+            const int c = (b0 + b) * 256 + lane * 8;
+            const bool on = c < kHidden;
+            u16 v[8];
+            float amax = 1e-4f;
+            if (on) {
+                const int4 w = in[b];
+                const u32 words[4] = {static_cast<u32>(w.x), static_cast<u32>(w.y), static_cast<u32>(w.z), static_cast<u32>(w.w)};
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    v[2 * k] = static_cast<u16>(words[k] & 0xffffu);
+                    v[2 * k + 1] = static_cast<u16>(words[k] >> 16);
+                }
+#pragma unroll
+                for (int k = 0; k < 8; k++) amax = fmaxf(amax, fabsf(bf16_to_float(v[k])));
             }
 #pragma unroll
-            for (int k = 0; k < 8; k++) amax = fmaxf(amax, fabsf(bf16_to_float(v[k])));
+            for (int m = 1; m < 16; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+            if (!on) continue;
+            float scale, inv;
+            fp8_scales(amax, scale, inv);
+            u32 lo = 0, hi = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) lo |= static_cast<u32>(to_e4m3(mul_rn(bf16_to_float(v[k]), scale))) << (8 * k);
+#pragma unroll
+            for (int k = 0; k < 4; k++) hi |= static_cast<u32>(to_e4m3(mul_rn(bf16_to_float(v[4 + k]), scale))) << (8 * k);
+            int2 packed;
+            packed.x = static_cast<int>(lo);
+            packed.y = static_cast<int>(hi);
+            st_na(reinterpret_cast<int2*>(q + c), packed);
+            if (lane % 16 == 0) scales[c / kScaleBlock] = inv;
         }
-#pragma unroll
-        for (int m = 1; m < 16; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-        if (!on) continue;
-        float scale, inv;
-        fp8_scales(amax, scale, inv);
-        u32 lo = 0, hi = 0;
-#pragma unroll
-        for (int k = 0; k < 4; k++) lo |= static_cast<u32>(to_e4m3(mul_rn(bf16_to_float(v[k]), scale))) << (8 * k);
-#pragma unroll
-        for (int k = 0; k < 4; k++) hi |= static_cast<u32>(to_e4m3(mul_rn(bf16_to_float(v[4 + k]), scale))) << (8 * k);
-        int2 packed;
-        packed.x = static_cast<int>(lo);
-        packed.y = static_cast<int>(hi);
-        st_na(reinterpret_cast<int2*>(q + c), packed);
-        if (lane % 16 == 0) scales[c / kScaleBlock] = inv;
     }
 }
 
@@ -347,9 +359,8 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
             const i64 row = j * RM + begin + i;
             if (lane == 0) reinterpret_cast<i32*>(p.src_info)[row] = ld_ring(reinterpret_cast<const i32*>(msg));
             constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
-            const int4* src = reinterpret_cast<const int4*>(msg + kMsgHeader);
-            int4* dst = reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + row * kRowBytes);
-            for (int v = lane; v < kRowBytes / 16; v += 32) st_na(dst + v, ld_ring(src + v));
+            warp_copy<int4, kCopyUnroll, true>(reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + row * kRowBytes),
+                                               reinterpret_cast<const int4*>(msg + kMsgHeader), kRowBytes / 16, lane);
             if (kFP8) {
                 const float* sc = reinterpret_cast<const float*>(msg + kMsgHeader + kHidden);
                 if (kUE8M0) {
@@ -419,9 +430,8 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
         for (i64 i = 0; i < n; i++) {
             const i64 row = j * RM + begin + i;
             const i32 t = reinterpret_cast<const i32*>(p.src_info)[row];
-            const int4* src = reinterpret_cast<const int4*>(rows + row * kHidden);
-            int4* dst = reinterpret_cast<int4*>(slots + (static_cast<u64>(g) * M + t) * (2 * kHidden));
-            for (int k = lane; k < kHidden / 8; k += 32) st_na(dst + k, ld_nc(src + k));
+            warp_copy<int4, kCopyUnroll, false>(reinterpret_cast<int4*>(slots + (static_cast<u64>(g) * M + t) * (2 * kHidden)),
+                                                reinterpret_cast<const int4*>(rows + row * kHidden), kHidden / 8, lane);
         }
         warp_flag(reinterpret_cast<u64*>(region(p, d) + p.off_cflags) + g, static_cast<u64>(seq) << 32 | 1u);
     }
