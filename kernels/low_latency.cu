@@ -32,6 +32,8 @@
 
 namespace pyep {
 
+#include "params.h"  // the host-kernel ABI, in this namespace as in intranode.cu
+
 #ifndef PYEP_LL_HIDDEN
 #define PYEP_LL_HIDDEN 256
 #endif
@@ -66,33 +68,10 @@ enum : int { kPhaseSend = 1, kPhaseRecv = 2 };
 // What a recorded wait was for (ErrorRecord.what); the host names it.
 enum : int { kWaitAck = 1, kWaitDispatch = 2, kWaitCombine = 3 };
 
-struct LLParams {
-    u64 peers;        // u64 [num_ranks]: every rank's region base, as mapped here
-    u64 err;          // ErrorRecord, host-mapped
-    u64 timeout_ns;   // bound of every wait
-    u64 calls;        // u64 [2]: calls received per half (this rank's engine memory)
-    u64 counter;      // i32: blocks done with the receive (the last resets it; likewise)
-    u64 off_ack;      // u64 [2][R]: ack[h][p], written by p
-    u64 off_mask;     // i32 [R]: 1 where a rank is masked (local)
-    u64 off_dflags;   // u64 [E] of half h: dispatch flags at [j * R + src]
-    u64 off_cflags;   // u64 [E] of half h: combine flags at [src * L + j]
-    u64 off_send;     // half h's send area (zero-copy combine rows)
-    u64 off_recv;     // half h's recv area
-    u64 msg_bytes;    // dispatch message
-    u64 x, topk_idx, topk_weights;
-    u64 recv_x, recv_scales, src_info, layout_range, count, cum_stats, wait_stats, out;
-    i32 rank, num_ranks, num_experts, max_tokens;
-    i32 num_tokens, half, phases, zero_copy;
-};
-static_assert(sizeof(LLParams) == 216, "LLParams layout is shared with the host");
-
-// The first failed wait of a call, in host-mapped memory; layout shared with the host (32 bytes).
-struct LLError {
-    u32 claimed, code;  // code (1: a wait timed out) is published last
-    i32 peer, what;     // the rank waited for, and for what (kWait*)
-    u64 waited_ns, pad;
-};
-static_assert(sizeof(LLError) == 32, "LLError layout is shared with the host");
+// The launch parameters and the error record (host-mapped) are params.h's, which the host
+// includes too.
+typedef struct pyep_ll_params LLParams;
+typedef struct pyep_ll_error LLError;
 
 PYEP_DEVICE u8* region(const LLParams& p, int r) { return reinterpret_cast<u8*>(reinterpret_cast<const u64*>(p.peers)[r]); }
 PYEP_DEVICE u8* local(const LLParams& p) { return region(p, p.rank); }

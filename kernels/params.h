@@ -1,21 +1,22 @@
-// params.h: the host-kernel ABI of normal mode, declared once. The kernels (intranode.cu,
-// layout.cu, compiled by NVRTC or, for the emulator, by the host C++ compiler) and the Go engine
-// (goep/cuda, through cgo) both include this file, so a launch's parameter struct and the
-// records the host reads have one definition. Plain C: no toolkit headers (NVRTC has none), no
+// params.h: the host-kernel ABI, declared once. The kernels (intranode.cu, layout.cu,
+// low_latency.cu and protocol.cuh, compiled by NVRTC or, for the emulator, by the host C++
+// compiler) and the Go engines (goep/cuda, through cgo) both include this file, so a launch's
+// parameter struct and the records the host reads have one definition. Plain C: no toolkit headers (NVRTC has none), no
 // namespaces; every field is 8 or 4 bytes, laid out alike by every compiler (the asserts below
-// and goep/cuda's TestNormalParamLayouts check it).
+// and goep/cuda's TestParamLayouts check it).
 #ifndef PYEP_PARAMS_H
 #define PYEP_PARAMS_H
 
 typedef unsigned long long pyep_u64;
 typedef long long pyep_i64;
 typedef int pyep_i32;
+typedef unsigned int pyep_u32;
 
 // Everything a kernel needs about the call and the domain.
 struct pyep_ctx {
     pyep_u64 data[8];        // data region of NVLink rank i, as mapped here
     pyep_u64 ctl[8];         // control region of NVLink rank i
-    pyep_u64 err;            // OpError in host-mapped memory
+    pyep_u64 err;            // pyep_op_error in host-mapped memory
     pyep_u64 seq;            // this call's first barrier number (the second is seq + 1)
     pyep_u64 timeout_ns;     // bound of every wait
     pyep_u64 counter_bytes;  // tails and heads: the first counter_bytes of every data region
@@ -101,6 +102,50 @@ struct pyep_layout_params {
     pyep_i32 num_tokens, num_topk, num_experts, num_ranks;
 };
 
+// ---- the device protocol (protocol.cuh's OpError) ----------------------------------------
+
+// A rank's first failure in normal mode, in host-mapped memory (ctx.err); the host reads it at
+// its next call.
+struct pyep_op_error {
+    pyep_u32 code;  // published last
+    pyep_i32 op;
+    pyep_i32 rank;
+    pyep_i32 channel;
+    pyep_i32 peer;
+    pyep_i32 what;
+    pyep_i64 a, b, c;
+    pyep_u64 waited_ns;
+    pyep_u64 abort_word;  // kAborted: the word the failing peer broadcast
+};
+
+// ---- low-latency mode (low_latency.cu's LLParams, LLError) --------------------------------
+
+struct pyep_ll_params {
+    pyep_u64 peers;        // u64 [num_ranks]: every rank's region base, as mapped here
+    pyep_u64 err;          // pyep_ll_error, host-mapped
+    pyep_u64 timeout_ns;   // bound of every wait
+    pyep_u64 calls;        // u64 [2]: calls received per half (this rank's engine memory)
+    pyep_u64 counter;      // i32: blocks done with the receive (the last resets it; likewise)
+    pyep_u64 off_ack;      // u64 [2][R]: ack[h][p], written by p
+    pyep_u64 off_mask;     // i32 [R]: 1 where a rank is masked (local)
+    pyep_u64 off_dflags;   // u64 [E] of half h: dispatch flags at [j * R + src]
+    pyep_u64 off_cflags;   // u64 [E] of half h: combine flags at [src * L + j]
+    pyep_u64 off_send;     // half h's send area (zero-copy combine rows)
+    pyep_u64 off_recv;     // half h's recv area
+    pyep_u64 msg_bytes;    // dispatch message
+    pyep_u64 x, topk_idx, topk_weights;
+    pyep_u64 recv_x, recv_scales, src_info, layout_range, count, cum_stats, wait_stats, out;
+    pyep_i32 rank, num_ranks, num_experts, max_tokens;
+    pyep_i32 num_tokens, half, phases, zero_copy;
+};
+
+// The first failed wait of a low-latency call, in host-mapped memory.
+struct pyep_ll_error {
+    pyep_u32 claimed, code;  // code (1: a wait timed out) is published last
+    pyep_i32 peer, what;     // the rank waited for, and for what (kWait*)
+    pyep_u64 waited_ns, pad;
+};
+
 #ifdef __cplusplus
 #define PYEP_ABI_SIZE(T, n) static_assert(sizeof(T) == n, #T " is laid out as the host expects")
 #else
@@ -113,6 +158,9 @@ PYEP_ABI_SIZE(struct pyep_prologue_params, 192);
 PYEP_ABI_SIZE(struct pyep_dispatch_params, 368);
 PYEP_ABI_SIZE(struct pyep_combine_params, 304);
 PYEP_ABI_SIZE(struct pyep_layout_params, 64);
+PYEP_ABI_SIZE(struct pyep_op_error, 64);
+PYEP_ABI_SIZE(struct pyep_ll_params, 216);
+PYEP_ABI_SIZE(struct pyep_ll_error, 32);
 #undef PYEP_ABI_SIZE
 
 #endif  // PYEP_PARAMS_H

@@ -33,24 +33,17 @@
 
 namespace pyep {
 
+// The host-kernel ABI (the error record below), in this namespace as every kernel file has it, so
+// that argument-dependent lookup finds a kernel file's functions of its Ctx.
+#include "params.h"
+
 // Control region offsets.
 constexpr int kCtlSignals = 0;  // u64 [8]
 constexpr int kCtlAbort = 64;   // u64
 constexpr int kCtlClaim = 72;   // u32
 
-// The host reads this; layout shared with goep/cuda (64 bytes).
-struct OpError {
-    u32 code;  // published last
-    i32 op;
-    i32 rank;
-    i32 channel;
-    i32 peer;
-    i32 what;
-    i64 a, b, c;
-    u64 waited_ns;
-    u64 abort_word;  // kAborted: the word the failing peer broadcast
-};
-static_assert(sizeof(OpError) == 64, "OpError layout is shared with the host");
+// The error record the host reads: params.h's pyep_op_error, which goep/cuda includes too.
+typedef struct pyep_op_error OpError;
 
 enum : u32 { kCodeTimeout = 1, kCodeMismatch = 2, kCodeAborted = 3 };
 enum : i32 { kOpNotify = 1, kOpPrologue = 2, kOpDispatch = 3, kOpCombine = 4 };

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -20,30 +22,7 @@ import (
 // calls, as with DeepEP). A wait that times out masks the peer in this rank's region and fills
 // the engine's error record (host-mapped); the host reads it at the next call and at hooks.
 
-// llParams mirrors LLParams of kernels/low_latency.cu.
-type llParams struct {
-	peers, err, timeoutNS                            uint64
-	calls, counter, offAck, offMask                  uint64
-	offDFlags, offCFlags, offSend, offRecv, msgBytes uint64
-	x, topkIdx, topkWeights                          uint64
-	recvX, recvScales, srcInfo, layoutRange, count   uint64
-	cumStats, waitStats, out                         uint64
-	rank, numRanks, numExperts, maxTokens            int32
-	numTokens, half, phases, zeroCopy                int32
-}
-
-// llError mirrors LLError.
-type llError struct {
-	claimed, code uint32
-	peer, what    int32
-	waitedNS, _   uint64
-}
-
-func init() {
-	if unsafe.Sizeof(llParams{}) != 216 || unsafe.Sizeof(llError{}) != 32 {
-		panic("pyep: cuda: llParams or llError does not match kernels/low_latency.cu")
-	}
-}
+// The launch parameters (llParams) and the error record (llError) are kernels/params.h's (abi.go).
 
 const (
 	llPhaseSend = 1
@@ -152,10 +131,10 @@ func (e *LowLatency) failure() error {
 	if rec.code == 0 {
 		return nil
 	}
-	what := map[int32]string{1: "its acknowledgement of the previous call", 2: "its dispatch rows", 3: "its combine rows"}[rec.what]
+	what := map[int32]string{1: "its acknowledgement of the previous call", 2: "its dispatch rows", 3: "its combine rows"}[int32(rec.what)]
 	e.dead = fmt.Errorf("pyep: rank %d timed out after %.1f s waiting for rank %d (%s); rank %d is masked on this rank: "+
 		"with enable_shrink, calls go on without it; otherwise call clean_low_latency_buffer on every rank", e.rank,
-		float64(rec.waitedNS)/1e9, rec.peer, what, rec.peer)
+		float64(rec.waited_ns)/1e9, int32(rec.peer), what, int32(rec.peer))
 	return e.dead
 }
 
@@ -206,18 +185,18 @@ func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error
 	}
 	e.calls++
 	p := e.params
-	*p = llParams{peers: uint64(e.peersDev), err: uint64(e.errDev), timeoutNS: uint64(e.timeout.Nanoseconds()),
-		calls: uint64(e.localDev), counter: uint64(e.localDev) + 16, offAck: uint64(l.Ack(0, 0)), offMask: uint64(l.Mask(0)),
-		offDFlags: uint64(l.DispatchFlags(h)), offCFlags: uint64(l.CombineFlags(h)), offSend: uint64(l.Send(h)),
-		offRecv: uint64(l.Recv(h)), msgBytes: uint64(l.DispatchMsgBytes),
-		x: uint64(c.X), topkIdx: uint64(c.TopkIdx), topkWeights: uint64(c.TopkWeights),
-		recvX: uint64(c.RecvX), recvScales: uint64(c.RecvScales), srcInfo: uint64(c.SrcInfo),
-		layoutRange: uint64(c.LayoutRange), count: uint64(c.Count), cumStats: uint64(c.CumStats),
-		waitStats: uint64(c.WaitStats), out: uint64(c.Out),
-		rank: int32(e.rank), numRanks: int32(e.n), numExperts: int32(c.Shape.NumExperts),
-		maxTokens: int32(c.Shape.MaxTokens), numTokens: int32(c.NumTokens), half: int32(h), phases: llPhaseSend | llPhaseRecv}
+	*p = llParams{peers: u64(e.peersDev), err: u64(e.errDev), timeout_ns: u64(e.timeout.Nanoseconds()),
+		calls: u64(e.localDev), counter: u64(e.localDev) + 16, off_ack: u64(l.Ack(0, 0)), off_mask: u64(l.Mask(0)),
+		off_dflags: u64(l.DispatchFlags(h)), off_cflags: u64(l.CombineFlags(h)), off_send: u64(l.Send(h)),
+		off_recv: u64(l.Recv(h)), msg_bytes: u64(l.DispatchMsgBytes),
+		x: u64(c.X), topk_idx: u64(c.TopkIdx), topk_weights: u64(c.TopkWeights),
+		recv_x: u64(c.RecvX), recv_scales: u64(c.RecvScales), src_info: u64(c.SrcInfo),
+		layout_range: u64(c.LayoutRange), count: u64(c.Count), cum_stats: u64(c.CumStats),
+		wait_stats: u64(c.WaitStats), out: u64(c.Out),
+		rank: i32(e.rank), num_ranks: i32(e.n), num_experts: i32(c.Shape.NumExperts),
+		max_tokens: i32(c.Shape.MaxTokens), num_tokens: i32(c.NumTokens), half: i32(h), phases: llPhaseSend | llPhaseRecv}
 	if c.ZeroCopy {
-		p.zeroCopy = 1
+		p.zero_copy = 1
 	}
 	if c.Hook {
 		p.phases = llPhaseSend

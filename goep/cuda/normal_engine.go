@@ -192,7 +192,7 @@ func (e *normalEngine) usable(st *bufferState) error {
 // recorded reads the buffer's error record: nil while no kernel failed.
 func (e *normalEngine) recorded(st *bufferState) error {
 	rec := (*opError)(st.errHost)
-	if atomic.LoadUint32(&rec.Code) == 0 {
+	if atomic.LoadUint32(opErrorCode(rec)) == 0 {
 		return nil
 	}
 	r := *rec

@@ -14,18 +14,20 @@ import (
 var opNames = map[int32]string{1: "dispatch (notify)", 2: "prologue", 3: "dispatch", 4: "combine"}
 
 func describeFailure(r *opError) string {
-	msg := fmt.Sprintf("%s: rank %d", opNames[r.Op], r.Rank)
-	if r.Channel >= 0 {
-		msg += fmt.Sprintf(" channel %d", r.Channel)
+	code, op, rank, channel, peer, what := uint32(r.code), int32(r.op), int32(r.rank), int32(r.channel), int32(r.peer), int32(r.what)
+	a, b, c := int64(r.a), int64(r.b), int64(r.c)
+	msg := fmt.Sprintf("%s: rank %d", opNames[op], rank)
+	if channel >= 0 {
+		msg += fmt.Sprintf(" channel %d", channel)
 	}
-	switch r.Code {
+	switch code {
 	case 1:
-		return msg + fmt.Sprintf(": timed out after %v waiting for rank %d to %s", time.Duration(r.WaitedNS).Round(time.Millisecond),
-			r.Peer, waitText(r.What, r.A, r.B, r.C))
+		return msg + fmt.Sprintf(": timed out after %v waiting for rank %d to %s", time.Duration(r.waited_ns).Round(time.Millisecond),
+			peer, waitText(what, a, b, c))
 	case 2:
-		return msg + ": " + mismatchText(r.What, r.Peer, r.A, r.B, r.C)
+		return msg + ": " + mismatchText(what, peer, a, b, c)
 	case 3:
-		w := r.AbortWord
+		w := uint64(r.abort_word)
 		origin, what, peer := int32(w>>56&0x7f), int32(w>>48&0xff), int32(int8(w>>40&0xff))
 		code, channel := uint32(w>>32&0xff), int32(uint32(w))
 		cause := "failed"
@@ -41,7 +43,7 @@ func describeFailure(r *opError) string {
 		}
 		return msg + fmt.Sprintf(": stopped because rank %d %s%s", origin, cause, where)
 	}
-	return msg + fmt.Sprintf(": failed with code %d", r.Code)
+	return msg + fmt.Sprintf(": failed with code %d", code)
 }
 
 func waitText(what int32, a, b, c int64) string {

@@ -11,7 +11,7 @@ import (
 
 // The launch parameters cross to the kernels as raw bytes, declared once in kernels/params.h
 // (which asserts their sizes in every compiler that includes it): check the layout cgo gave Go.
-func TestNormalParamLayouts(t *testing.T) {
+func TestParamLayouts(t *testing.T) {
 	assert.EqualValues(t, 184, unsafe.Sizeof(kctx{}))
 	assert.EqualValues(t, 312, unsafe.Sizeof(notifyParams{}))
 	assert.EqualValues(t, 192, unsafe.Sizeof(prologueParams{}))
@@ -28,7 +28,14 @@ func TestNormalParamLayouts(t *testing.T) {
 	assert.EqualValues(t, 184, unsafe.Offsetof(dispatchParams{}.x))
 	assert.EqualValues(t, 336, unsafe.Offsetof(dispatchParams{}.num_tokens))
 	assert.EqualValues(t, 288, unsafe.Offsetof(combineParams{}.num_tokens))
-	assert.EqualValues(t, 56, unsafe.Offsetof(opError{}.AbortWord))
+	assert.EqualValues(t, 64, opErrorBytes)
+	assert.EqualValues(t, 56, unsafe.Offsetof(opError{}.abort_word))
+	assert.EqualValues(t, 216, unsafe.Sizeof(llParams{}))
+	assert.EqualValues(t, 96, unsafe.Offsetof(llParams{}.x))
+	assert.EqualValues(t, 184, unsafe.Offsetof(llParams{}.rank))
+	assert.EqualValues(t, 212, unsafe.Offsetof(llParams{}.zero_copy))
+	assert.EqualValues(t, 32, unsafe.Sizeof(llError{}))
+	assert.EqualValues(t, 16, unsafe.Offsetof(llError{}.waited_ns))
 }
 
 func TestVecBytes(t *testing.T) {

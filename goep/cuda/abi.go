@@ -9,7 +9,7 @@ import "C"
 
 import "unsafe"
 
-// The launch parameter structs and notify's answer are kernels/params.h's, which the kernels
+// The launch parameter structs and the records the host reads are kernels/params.h's, which the kernels
 // include too: one declaration, laid out by the C compiler (the header asserts the sizes on
 // both sides). Go writes their fields by their C names.
 type (
@@ -23,22 +23,24 @@ type (
 )
 
 // u64 and i32 are values of the header's integer types.
-func u64[T ~uint64 | ~int64 | ~int](v T) C.pyep_u64 { return C.pyep_u64(v) }
-func i32[T ~int32 | ~int](v T) C.pyep_i32           { return C.pyep_i32(v) }
+func u64[T ~uint64 | ~int64 | ~int | ~uintptr](v T) C.pyep_u64 { return C.pyep_u64(v) }
+func i32[T ~int32 | ~int](v T) C.pyep_i32                      { return C.pyep_i32(v) }
 
 // notifyTag is where notify's answer is complete: its tag, which the kernel writes last.
 func notifyTag(r *notifyResult) *uint64 { return (*uint64)(unsafe.Pointer(&r.tag)) }
 
 const notifyResultBytes = int(unsafe.Sizeof(notifyResult{}))
 
-// opError is the kernels' error record (OpError in intranode.cu, whose static_assert checks
-// the size): the kernels' device protocol, read by the host.
-type opError struct {
-	Code                    uint32
-	Op, Rank, Channel, Peer int32
-	What                    int32
-	A, B, C                 int64
-	WaitedNS, AbortWord     uint64
-}
+// opError is the kernels' error record (protocol.cuh's OpError): the device protocol, read by
+// the host. llParams and llError are low-latency mode's launch parameters and error record
+// (low_latency.cu's LLParams, LLError).
+type (
+	opError  = C.struct_pyep_op_error
+	llParams = C.struct_pyep_ll_params
+	llError  = C.struct_pyep_ll_error
+)
 
-const opErrorBytes = 64
+// opErrorCode is where the record is complete: its code, which the kernel writes last.
+func opErrorCode(r *opError) *uint32 { return (*uint32)(unsafe.Pointer(&r.code)) }
+
+const opErrorBytes = int(unsafe.Sizeof(opError{}))
