@@ -13,7 +13,8 @@ import pyep
 from pyep import bench, tuning
 
 TINY = ["--spawn", "--device", "cpu", "--nprocs", "2", "--tokens", "64", "--hidden", "256", "--topk", "4",
-        "--experts", "8", "--sms", "4", "--warmup", "0", "--iters", "1", "--host-iters", "1", "--no-plots", "--quiet"]
+        "--experts", "8", "--sms", "4", "--ll-tokens", "16", "--ll-experts", "8", "--warmup", "0", "--iters", "1",
+        "--host-iters", "1", "--no-plots", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +48,14 @@ def test_bench_json(tiny_report):
     assert report["plan"]["mode"] == "sweep" and report["plan"]["num_cases"] == 1
     assert report["plots"] == [] and report["plots_skipped"] == "--no-plots"
 
+    assert report["plan"]["num_ll_cases"] == 1 and report["plan"]["ll_reference"] == {"tokens": 16, "hidden": 256,
+                                                                                        "topk": 4, "experts": 8}
     results = {(r["impl"], r["op"]): r for r in report["results"]}
-    expected = {("pyep", op) for op in bench.OPS} | {("baseline", op) for op in bench.BASELINE_OPS}
+    expected = ({("pyep", op) for op in bench.OPS + bench.LL_OPS} | {("baseline", op) for op in bench.BASELINE_OPS})
     assert set(results) == expected
     for (impl, op), r in results.items():
+        if op in bench.LL_OPS:
+            continue  # test_bench_low_latency_rows
         assert r["error"] is None, (impl, op, r["error"])
         assert (r["tokens"], r["hidden"], r["topk"], r["experts"]) == (64, 256, 4, 8)
         assert len(r["per_rank"]) == 2
@@ -80,6 +85,60 @@ def test_bench_json(tiny_report):
         assert (results[("pyep", "dispatch_bf16")]["per_rank"][rk]["recv_tokens"]
                 == results[("baseline", "dispatch_bf16")]["per_rank"][rk]["recv_tokens"])
     assert "dispatch_bf16" in table and "baseline" in table and "result" in table
+
+
+def test_bench_low_latency_rows(tiny_report):
+    """The low-latency rows: pyep's own low-latency Buffer, checked, timed, counted in DeepEP's low-latency bytes."""
+    report, _, table = tiny_report
+    rows = {r["op"]: r for r in report["results"] if r["op"] in bench.LL_OPS}
+    assert set(rows) == set(bench.LL_OPS) and all(r["impl"] == "pyep" for r in rows.values())
+    selections = 16 * 4  # no masked top-k entries: every token selects 4 experts
+    per_selection = {"ll_dispatch": 256 + 256 // 128 * 4 + 16, "ll_combine": 256 * 2}
+    per_selection["ll_dispatch_combine"] = per_selection["ll_dispatch"] + per_selection["ll_combine"]
+    for op, r in rows.items():
+        assert r["error"] is None, (op, r["error"])
+        assert (r["tokens"], r["hidden"], r["topk"], r["experts"]) == (16, 256, 4, 8)
+        assert r["num_sms"] is None and r["config"] is None and r["nvl_send"] is None
+        assert 0 <= r["combine_err_max"] < 0.08  # the check ran and passed (FP8 rounding only)
+        # Every (token, expert) pair reaches its expert: 2 ranks x 16 tokens x 4 choices in all.
+        assert sum(p["recv_tokens"] for p in r["per_rank"]) == 2 * selections
+        for p in r["per_rank"]:
+            assert p["bytes"] == selections * per_selection[op]
+            assert p["gbps"] == pytest.approx(p["bytes"] / 1e9 / (p["median_us"] / 1e6), rel=1e-2, abs=1e-3)
+            assert 0 < p["host_us"] <= p["result_us"] and p["launch_us"] is None
+            assert p["min_us"] == p["median_us"] > 0
+            if op == "ll_dispatch_combine":
+                assert p["send_us"] is None and p["recv_us"] is None
+            else:  # the hooked call's two phases
+                assert p["send_us"] > 0 and p["recv_us"] > 0
+        assert r["bytes_total"] == 2 * selections * per_selection[op]
+        assert (r["send_us_avg"] is None) == (op == "ll_dispatch_combine")
+    # The normal rows keep their shape: no low-latency field.
+    normal = next(r for r in report["results"] if r["op"] == "dispatch_bf16")
+    assert "send_us_avg" not in normal and "send_us" not in normal["per_rank"][0]
+    assert "ll_dispatch_combine" in table and "send" in table and "low latency" in table
+
+
+def test_bench_low_latency_only(tmp_path, group):
+    """--ll: the low-latency ops alone, no normal-mode case (nor Buffer); a Buffer that low latency cannot use."""
+    if group.rank() != 0:
+        pytest.skip("not collective: runs on rank 0 only")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PYEP_BACKEND", "cpu")
+    mp.setenv("OMP_NUM_THREADS", "1")
+    try:
+        # hidden 200 is no multiple of 128: low-latency dispatch refuses it, an error row, no figures.
+        report = bench.main(TINY + ["--ll", "--hidden", "256,200", "--out", str(tmp_path)])
+    finally:
+        mp.undo()
+    assert report["plan"]["num_cases"] == 0 and report["plan"]["ops"] == list(bench.LL_OPS)
+    by = {(r["op"], r["hidden"]): r for r in report["results"]}
+    assert set(by) == {(op, h) for op in bench.LL_OPS for h in (256, 200)}
+    for op in bench.LL_OPS:
+        assert by[(op, 256)]["error"] is None and by[(op, 256)]["time_us_avg"] > 0
+        bad = by[(op, 200)]
+        assert bad["error"] and "prepare" in bad["error"] and "hidden" in bad["error"], bad["error"]
+        assert "time_us_avg" not in bad
 
 
 def test_bench_replot(tiny_report, tmp_path):
@@ -185,4 +244,30 @@ def test_bench_lists_and_plan():
     full = bench.make_plan(bench.parse_args(["--full", "--tokens", "128,256", "--sms", "8,12,16"]), "cuda", 8)
     assert len(full.cases) == 2 * 3 * 3
     tune = bench.make_plan(bench.parse_args(["--tune"]), "cpu", 4)
-    assert tune.impls == ["pyep"] and set(tune.ops) == set(bench.TUNE_KINDS)
+    assert tune.impls == ["pyep"] and set(tune.ops) == set(bench.TUNE_KINDS) and tune.ll_cases == []
+
+
+def test_bench_low_latency_plan():
+    """--quick holds both reference cases; the low-latency lists; --ll; --ops with low-latency ops."""
+    quick = bench.make_plan(bench.parse_args(["--quick"]), "cuda", 8)
+    assert [(c.tokens, c.hidden, c.topk, c.experts) for c in quick.ll_cases] == [(128, 7168, 8, 288)]
+    assert quick.ll_reference == bench.LL_REFERENCE and len(quick.cases) == 1
+    assert set(bench.LL_OPS) <= set(quick.ops)
+    cpu = bench.make_plan(bench.parse_args(["--quick"]), "cpu", 4)
+    assert [(c.tokens, c.hidden, c.experts) for c in cpu.ll_cases] == [(128, 2048, 64)]
+    assert any("low-latency rows" in n for n in cpu.notes)
+    ll = bench.make_plan(bench.parse_args(["--quick", "--ll"]), "cuda", 8)
+    assert ll.cases == [] and ll.ops == list(bench.LL_OPS) and len(ll.ll_cases) == 1
+    # The default sweep: tokens x hidden around the reference, then top-k x experts (rounded to the ranks).
+    sweep = bench.make_plan(bench.parse_args(["--ll-tokens", "64,128", "--hidden", "4096,7168", "--topk", "6,8",
+                                              "--ll-experts", "250,288"]), "cuda", 8)
+    cases = {(c.tokens, c.hidden, c.topk, c.experts) for c in sweep.ll_cases}
+    assert cases == {(t, h, 8, 288) for t in (64, 128) for h in (4096, 7168)} | {(128, 7168, k, e) for k in (6, 8)
+                                                                                 for e in (248, 288)}
+    assert any("low-latency experts 250 -> 248" in n for n in sweep.notes)
+    normal = bench.make_plan(bench.parse_args(["--ops", "dispatch_bf16"]), "cuda", 8)
+    assert normal.ll_cases == [] and "ll_tokens" not in normal.lists
+    only = bench.make_plan(bench.parse_args(["--ops", "ll_combine"]), "cpu", 2)
+    assert only.cases == [] and only.ll_cases
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ll", "--ops", "layout"])

@@ -121,7 +121,17 @@ FAKE_DEEP_EP = textwrap.dedent('''
 
 
     def _not_in_stand_in(*args, **kwargs):
-        raise NotImplementedError("low-latency and internode calls are not in the deep_ep stand-in")
+        raise NotImplementedError("internode calls and low-latency masks are not in the deep_ep stand-in")
+
+
+    def _hook(inner_hook):
+        """DeepEP's receiving hook: a plain callable (None without return_recv_hook)."""
+        if inner_hook is None:
+            return None
+
+        def hook():
+            inner_hook()
+        return hook
 
 
     class Buffer:
@@ -159,7 +169,10 @@ FAKE_DEEP_EP = textwrap.dedent('''
         def capture():
             return EventOverlap(EventHandle())
 
-        get_low_latency_rdma_size_hint = staticmethod(_not_in_stand_in)
+        @staticmethod
+        def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+            return pyep.Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                                              num_experts)
 
         def get_comm_stream(self):
             return _inner[self].get_comm_stream()
@@ -205,13 +218,38 @@ FAKE_DEEP_EP = textwrap.dedent('''
                                      async_finish, allocate_on_comm_stream)
             return r[0], r[1], _event(r[2], async_finish)
 
-        internode_dispatch = internode_combine = clean_low_latency_buffer = _not_in_stand_in
-        low_latency_dispatch = low_latency_combine = get_next_low_latency_combine_buffer = _not_in_stand_in
+        def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+            assert self.low_latency_mode, "low_latency_mode must be set"  # DeepEP's EP_HOST_ASSERT, as in its runtime
+            _inner[self].clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+        def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                 cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                                 use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
+                                 return_recv_hook=False):
+            # (packed_recv_x or (packed_recv_x, packed_recv_x_scales), packed_recv_count, handle, event, hook), handle
+            # = (packed_recv_src_info, packed_recv_layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            recv_x, count, handle, event, hook = _inner[self].low_latency_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+            return recv_x, count, tuple(handle), _event(event, async_finish), _hook(hook)
+
+        def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
+                                async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+            combined_x, event, hook = _inner[self].low_latency_combine(
+                x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+                combine_wait_recv_cost_stats)
+            return combined_x, _event(event, async_finish), _hook(hook)
+
+        def get_next_low_latency_combine_buffer(self, handle):
+            return _inner[self].get_next_low_latency_combine_buffer(handle)
+
+        internode_dispatch = internode_combine = _not_in_stand_in
         low_latency_update_mask_buffer = low_latency_query_mask_buffer = low_latency_clean_mask_buffer = _not_in_stand_in
 ''')
 
 TINY = ["--spawn", "--device", "cpu", "--nprocs", "2", "--tokens", "64", "--hidden", "256", "--topk", "4",
-        "--experts", "8", "--sms", "4", "--warmup", "0", "--iters", "1", "--host-iters", "2", "--no-plots", "--quiet"]
+        "--experts", "8", "--sms", "4", "--ll-tokens", "16", "--ll-experts", "8", "--warmup", "0", "--iters", "1",
+        "--host-iters", "2", "--no-plots", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +330,56 @@ def test_bench_drives_deepep_api(deepep_report):
         assert d["error"] and "RuntimeError" in d["error"] and "prepare" in d["error"], d["error"]
         assert p["error"] and "ValueError" in p["error"], p["error"]
     assert "deepep" in table and "result" in table and "call" in table
+
+
+def test_bench_drives_deepep_low_latency(deepep_report):
+    """DeepEP's low-latency rows through the stand-in: its own Buffer (low_latency_mode=True), checked, the same
+    received rows and bytes as pyep's, both phases of the hooked calls."""
+    report, table = deepep_report
+    assert not any("low-latency" in k for k in report["skipped"]), report["skipped"]
+    ll = {(r["impl"], r["op"]): r for r in report["results"] if r["op"] in bench.LL_OPS}
+    assert set(ll) == {(impl, op) for impl in ("pyep", "deepep") for op in bench.LL_OPS}
+    for op in bench.LL_OPS:
+        d, p = ll[("deepep", op)], ll[("pyep", op)]
+        assert d["error"] is None, (op, d["error"])
+        assert (d["tokens"], d["hidden"], d["topk"], d["experts"]) == (16, 256, 4, 8)
+        assert d["config"] is None and d["num_sms"] is None
+        assert 0 <= d["combine_err_max"] < 0.08
+        for dr, pr in zip(d["per_rank"], p["per_rank"]):
+            assert dr["recv_tokens"] == pr["recv_tokens"] and dr["bytes"] == pr["bytes"] > 0
+            assert dr["launch_us"] is None and 0 < dr["host_us"] <= dr["result_us"]
+            assert (dr["send_us"] is None) == (op == "ll_dispatch_combine")
+            if dr["send_us"] is not None:
+                assert dr["send_us"] > 0 and dr["recv_us"] > 0
+    assert "ll_dispatch_combine" in table
+
+
+def test_fake_low_latency_is_deepep_shaped(fake_deep_ep, group, device):
+    """The stand-in's low-latency calls return DeepEP's shapes (collective: each rank its own buffer)."""
+    import torch
+    import deep_ep
+    R, M, H, E, K = group.size(), 8, 256, 4 * group.size(), 2
+    buf = deep_ep.Buffer(group, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, R, E),
+                         low_latency_mode=True, num_qps_per_rank=E // R, explicitly_destroy=True)
+    try:
+        x = torch.randn((M, H), device=device).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E)[:K] for _ in range(M)]).to(device, deep_ep.topk_idx_t)
+        (q, s), count, handle, event, hook = buf.low_latency_dispatch(x, idx, M, E, async_finish=True)
+        assert q.shape == (E // R, R * M, H) and q.dtype == torch.float8_e4m3fn and s.shape == (E // R, R * M, H // 128)
+        assert count.shape == (E // R,) and count.dtype == torch.int32 and hook is None
+        assert isinstance(event, deep_ep.EventOverlap) and isinstance(event.event, deep_ep.EventHandle)
+        assert len(handle) == 5 and handle[2:] == (M, H, E)
+        event.current_stream_wait()
+        recv, count, handle, event, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+        assert event.event is None and callable(hook)
+        hook()
+        assert recv.dtype == torch.bfloat16 and recv.shape == (E // R, R * M, H)
+        out, event, hook = buf.low_latency_combine(recv, idx, torch.rand((M, K), device=device), handle)
+        assert out.shape == (M, H) and out.dtype == torch.bfloat16 and hook is None and event.event is None
+        with pytest.raises(NotImplementedError):
+            buf.low_latency_update_mask_buffer(0, True)
+    finally:
+        buf.destroy()
 
 
 def test_deepep_skips():

@@ -12,6 +12,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from .ll_runner import LowLatencyRunner
 from .plan import OPS, Case
 
 # DeepEP V1's Config constructor arguments, in order.
@@ -131,6 +132,10 @@ class EPRunner:
         else:
             raise ValueError(op)
         return call, (lambda: call(async_finish=True)), wait, rc
+
+    def low_latency(self) -> LowLatencyRunner:
+        """The implementation's low-latency runner (a Buffer of its own, made by its open)."""
+        return LowLatencyRunner(self.name, self.module, self.group)
 
     def close(self) -> None:
         self.buffer = None

@@ -1,8 +1,8 @@
 """The sweep's plan: the command line, the presets, and the cases they make."""
 import argparse
 import itertools
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from .. import tuning
 
@@ -10,6 +10,8 @@ OPS = ("layout", "dispatch_bf16", "dispatch_fp8", "dispatch_cached", "combine_bf
 # The NCCL all_to_all_single alone of a dispatch's BF16 rows, already in send order: what the fabric gives this
 # traffic through NCCL, a reference for dispatch and combine rather than code a user would run.
 FABRIC_OPS = ("alltoall_bf16",)
+# Low-latency mode (a Buffer of its own, low_latency_mode=True): FP8 dispatch, BF16 combine, and the two back to back.
+LL_OPS = ("ll_dispatch", "ll_combine", "ll_dispatch_combine")
 IMPLS = ("pyep", "baseline", "deepep")
 # The baseline has no cached dispatch: its split sizes are already known on the host.
 BASELINE_OPS = ("layout", "dispatch_bf16", "dispatch_fp8", "combine_bf16") + FABRIC_OPS
@@ -20,6 +22,8 @@ TUNE_KINDS = {"dispatch_bf16": "dispatch", "dispatch_fp8": "dispatch_fp8", "comb
 
 # The reference case (DeepEP's tests/test_intranode.py): 4096 tokens a rank, hidden 7168, top-8 of 256, 24 SMs.
 REFERENCE = {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "num_sms": 24}
+# The low-latency reference case (DeepEP's tests/test_low_latency.py): 128 tokens a rank, hidden 7168, top-8 of 288.
+LL_REFERENCE = {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 288}
 
 # Sweep lists of each preset and backend; None in the chunk lists: the op's recommended (get_*_config) value.
 _SWEEPS = {
@@ -35,9 +39,19 @@ _SWEEPS = {
     ("tune", "cpu"): dict(tokens=[1024], hidden=[2048], topk=[8], experts=[256], sms=[8, 16, 24],
                           nvl_send=[None, 4, 8, 16, 32], nvl_recv=[None]),
 }
+# Low-latency lists (hidden and top-k are the normal lists'): tokens a rank (num_max_dispatch_tokens_per_rank) and
+# experts. On cpu the buffer is shared memory: fewer experts keep it small (get_low_latency_rdma_size_hint grows with them).
+_LL_SWEEPS = {
+    ("quick", "cuda"): dict(ll_tokens=[128], ll_experts=[288]),
+    ("quick", "cpu"): dict(ll_tokens=[128], ll_experts=[64]),
+    ("sweep", "cuda"): dict(ll_tokens=[16, 32, 64, 128, 256], ll_experts=[288]),
+    ("sweep", "cpu"): dict(ll_tokens=[32, 128], ll_experts=[64]),
+}
 _ITERS = {"cuda": dict(warmup=20, iters=50, host_iters=10), "cpu": dict(warmup=1, iters=5, host_iters=2)}
 _NOTES = {("quick", "cpu"): "cpu backend: --quick uses 1024 tokens x hidden 2048 instead of the reference 4096 x 7168 "
-                            "(pass --tokens/--hidden to change)"}
+                            "(pass --tokens/--hidden to change)",
+          ("quick-ll", "cpu"): "cpu backend: low-latency rows at hidden 2048 and 64 experts instead of the reference 7168 and 288 "
+                               "(pass --hidden/--ll-experts to change)"}
 
 
 # ---- command line ------------------------------------------------------------------------------------------
@@ -98,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                "Without --quick/--full/--tune the sweep varies one thing at a time around the reference case "
                "(tokens x hidden, SMs x hidden, top-k x experts, send x recv chunks). See bench/README.md.")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="the reference case only: 4096 tokens, hidden 7168, top-8 of 256 experts, 24 SMs (smaller on cpu)")
+    mode.add_argument("--quick", action="store_true", help="the reference cases only: normal mode 4096 tokens, hidden 7168, top-8 of "
+                      "256 experts, 24 SMs; low latency 128 tokens, hidden 7168, top-8 of 288 experts (smaller on cpu)")
     mode.add_argument("--full", action="store_true", help="the full product of every list")
     mode.add_argument("--tune", action="store_true", help="sweep SMs x NVL chunks for pyep and write the tuning file")
     p.add_argument("--tokens", type=_int_list, help="tokens per rank (default 128:8192:x2 on GPU, 128:2048:x2 on cpu)")
@@ -108,8 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sms", type=_int_list, help="SM counts, even (default 8:24:4 on GPU, 8,16,24 on cpu)")
     p.add_argument("--nvl-send", type=_chunk_list, dest="nvl_send", help="Config num_max_nvl_chunked_send_tokens values ('default': the op's recommended)")
     p.add_argument("--nvl-recv", type=_chunk_list, dest="nvl_recv", help="Config num_max_nvl_chunked_recv_tokens values ('default': the op's recommended)")
-    p.add_argument("--ops", type=_name_list(OPS + FABRIC_OPS),
-                   help=f"operations to measure (default all: {','.join(OPS + FABRIC_OPS)})")
+    p.add_argument("--ll-tokens", type=_int_list, dest="ll_tokens",
+                   help="low-latency tokens per rank, also num_max_dispatch_tokens_per_rank (default 128 with --quick; "
+                        "16:256:x2 on GPU, 32,128 on cpu)")
+    p.add_argument("--ll-experts", type=_int_list, dest="ll_experts",
+                   help="low-latency experts, rounded down to a multiple of the ranks (default 288 on GPU, 64 on cpu)")
+    p.add_argument("--ops", type=_name_list(OPS + FABRIC_OPS + LL_OPS),
+                   help=f"operations to measure (default all: {','.join(OPS + FABRIC_OPS + LL_OPS)}; --tune: the tuned three)")
+    p.add_argument("--ll", action="store_true", help=f"the low-latency ops only ({','.join(LL_OPS)}): short for --ops with them")
     p.add_argument("--impls", type=_name_list(IMPLS), help="implementations (default pyep,baseline,deepep; pyep with --tune)")
     p.add_argument("--mask-ratio", type=float, default=0.0, dest="mask_ratio", help="fraction of top-k choices set to -1 (default 0)")
     p.add_argument("--seed", type=int, default=0)
@@ -138,6 +159,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         v = getattr(args, name)
         if v is not None and v < (1 if name in ("iters", "nprocs") else 0):
             raise SystemExit(f"--{name.replace('_', '-')} = {v}: out of range")
+    if args.ll and args.ops:
+        raise SystemExit("--ll and --ops: pass one of them")
     if not 0 <= args.mask_ratio < 1:
         raise SystemExit(f"--mask-ratio = {args.mask_ratio}: expected 0 <= r < 1")
     return args
@@ -161,6 +184,18 @@ class Case:
                 -1 if self.nvl_send is None else self.nvl_send, -1 if self.nvl_recv is None else self.nvl_recv)
 
 
+@dataclass(frozen=True)
+class LLCase:
+    """One low-latency point: tokens a rank (also num_max_dispatch_tokens_per_rank), hidden, top-k, experts."""
+    tokens: int
+    hidden: int
+    topk: int
+    experts: int
+
+    def sort_key(self):
+        return (self.experts, self.topk, self.tokens, self.hidden)
+
+
 @dataclass
 class Plan:
     mode: str            # quick | sweep | full | tune
@@ -174,6 +209,8 @@ class Plan:
     iters: int
     host_iters: int
     notes: List[str]
+    ll_cases: List["LLCase"] = field(default_factory=list)
+    ll_reference: dict = field(default_factory=dict)
 
 
 def _reference(values: list, preferred):
@@ -237,11 +274,54 @@ def make_plan(args: argparse.Namespace, backend: str, num_ranks: int) -> Plan:
     cases = sorted(dict.fromkeys(cases), key=Case.sort_key)
 
     impls = list(args.impls) if args.impls else (["pyep"] if mode == "tune" else list(IMPLS))
-    ops = list(args.ops) if args.ops else (list(TUNE_KINDS) if mode == "tune" else list(OPS + FABRIC_OPS))
+    ops = (list(LL_OPS) if args.ll else list(args.ops) if args.ops else
+           list(TUNE_KINDS) if mode == "tune" else list(OPS + FABRIC_OPS + LL_OPS))
     if mode == "tune" and "pyep" not in impls:
         raise SystemExit("--tune measures pyep: include it in --impls")
+    if not any(op in OPS + FABRIC_OPS for op in ops):
+        cases = []  # low-latency ops only: no normal-mode case (and no normal-mode Buffer)
+    ll_cases, ll_ref = [], {}
+    if any(op in LL_OPS for op in ops):
+        ll_cases, ll_ref = _ll_cases(args, mode, backend, num_ranks, lists, notes)
     it = _ITERS[backend]
     return Plan(mode=mode, backend=backend, lists=lists, reference=ref, cases=cases, ops=ops, impls=impls,
                 warmup=it["warmup"] if args.warmup is None else args.warmup,
                 iters=it["iters"] if args.iters is None else args.iters,
-                host_iters=it["host_iters"] if args.host_iters is None else args.host_iters, notes=notes)
+                host_iters=it["host_iters"] if args.host_iters is None else args.host_iters, notes=notes,
+                ll_cases=ll_cases, ll_reference=ll_ref)
+
+
+def _ll_cases(args: argparse.Namespace, mode: str, backend: str, num_ranks: int, lists: dict,
+              notes: List[str]) -> Tuple[List[LLCase], dict]:
+    """The low-latency cases and their reference: tokens (--ll-tokens) x hidden at the reference top-k and experts,
+    top-k x experts (--ll-experts) at the reference tokens and hidden (--full: the product). Hidden and top-k are the
+    normal lists (--hidden, --topk); experts are rounded down to a multiple of the ranks, as the normal ones."""
+    preset = _LL_SWEEPS[("quick" if mode == "quick" else "sweep", backend)]
+    for dim in ("ll_tokens", "ll_experts"):
+        given = getattr(args, dim)
+        lists[dim] = list(given) if given is not None else list(preset[dim])
+    if min(lists["ll_tokens"]) <= 0:
+        raise SystemExit("--ll-tokens: values must be positive")
+    note = _NOTES.get(("quick-ll", backend)) if mode == "quick" else None
+    if note and (args.hidden is None or args.ll_experts is None):
+        notes.append(note)
+    experts = []
+    for e in lists["ll_experts"]:
+        eff = max(num_ranks, e // num_ranks * num_ranks)
+        if eff != e:
+            notes.append(f"low-latency experts {e} -> {eff}: a multiple of the {num_ranks} ranks")
+        experts.append(eff)
+    lists["ll_experts"] = list(dict.fromkeys(experts))
+    if max(lists["topk"]) > min(lists["ll_experts"]):
+        raise SystemExit(f"--topk {max(lists['topk'])}: more than the {min(lists['ll_experts'])} low-latency experts")
+    ref = {"tokens": _reference(lists["ll_tokens"], LL_REFERENCE["tokens"]),
+           "hidden": _reference(lists["hidden"], LL_REFERENCE["hidden"]),
+           "topk": _reference(lists["topk"], LL_REFERENCE["topk"]),
+           "experts": _reference(lists["ll_experts"], LL_REFERENCE["experts"])}
+    L = lists
+    if mode == "full":
+        cases = [LLCase(*c) for c in itertools.product(L["ll_tokens"], L["hidden"], L["topk"], L["ll_experts"])]
+    else:
+        cases = [LLCase(t, h, ref["topk"], ref["experts"]) for t in L["ll_tokens"] for h in L["hidden"]]
+        cases += [LLCase(ref["tokens"], ref["hidden"], k, e) for k in L["topk"] for e in L["ll_experts"]]
+    return sorted(dict.fromkeys(cases), key=LLCase.sort_key), ref

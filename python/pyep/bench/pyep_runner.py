@@ -1,10 +1,11 @@
-"""pyep through the shared driver, with its extension: the launch stamp of the cuda backend."""
-from typing import Tuple
+"""pyep through the shared drivers, with its extension: the launch stamp of the cuda backend."""
+from typing import Callable, Optional, Tuple
 
 import torch.distributed as dist
 
 import pyep
 from .ep_runner import CONFIG_FIELDS, EPRunner
+from .ll_runner import LowLatencyRunner
 
 
 class PyepRunner(EPRunner):
@@ -27,7 +28,16 @@ class PyepRunner(EPRunner):
 
     def open(self, cases) -> None:
         super().open(cases)
-        # The cuda backend stamps its latest kernel launch (CLOCK_MONOTONIC, the clock of time.perf_counter).
-        if self.buffer.runtime.backend == "cuda":
-            rid = self.buffer.runtime.id
-            self.launched = lambda: pyep._core.call("BufferLastLaunchNs", rid) / 1e9
+        self.launched = _launch_stamp(self.buffer)
+
+    def low_latency(self) -> LowLatencyRunner:
+        return LowLatencyRunner(self.name, self.module, self.group, launched_of=_launch_stamp)
+
+
+def _launch_stamp(buffer: pyep.Buffer) -> Optional[Callable[[], float]]:
+    """The cuda backend stamps its latest kernel launch (CLOCK_MONOTONIC, the clock of time.perf_counter): a reader of
+    the stamp of `buffer` (None on cpu)."""
+    if buffer.runtime.backend != "cuda":
+        return None
+    rid = buffer.runtime.id
+    return lambda: pyep._core.call("BufferLastLaunchNs", rid) / 1e9

@@ -10,10 +10,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import pyep
 from .. import tuning
-from .plan import FP8_FACTOR, TUNE_KINDS, Plan
+from .plan import FP8_FACTOR, LL_OPS, TUNE_KINDS, Plan
 from .plots import plot
 
-SCHEMA = "pyep-bench/2"
+SCHEMA = "pyep-bench/3"
 
 
 def _err(e: BaseException) -> str:
@@ -60,6 +60,15 @@ def _merge(records: List[dict]) -> dict:
     recv = [r["recv_tokens"] for r in per_rank if r["recv_tokens"] is not None]
     out["recv_tokens_avg"] = round(statistics.fmean(recv), 1) if recv else None
     out["bytes_total"] = sum(r["bytes"] for r in per_rank)
+    if first["op"] in LL_OPS:
+        # Low-latency rows only: the hooked call's send and receive phases, and the check's combine error.
+        for p, r in zip(per_rank, records):
+            p.update(send_us=r.get("send_us"), recv_us=r.get("recv_us"), combine_err=r.get("combine_err"))
+        for key in ("send_us", "recv_us"):
+            values = [p[key] for p in per_rank if p[key] is not None]
+            out[key + "_avg"] = round(statistics.fmean(values), 3) if values else None
+        errs = [p["combine_err"] for p in per_rank if p["combine_err"] is not None]
+        out["combine_err_max"] = max(errs) if errs else None
     return out
 
 
@@ -74,13 +83,26 @@ class Table:
                      (f"time {self.mu}", 10, ">"), ("(min-max)", 19, "<"), ("GB/s avg", 8, ">"), ("GB/s min", 8, ">"),
                      (f"launch {self.mu}", 9, ">"), (f"call {self.mu}", 8, ">"), (f"result {self.mu}", 9, ">")]
 
-    def header(self) -> str:
-        head = " ".join(f"{name:{align}{width}}" for name, width, align in self.cols).rstrip()
+        # Low-latency rows: no SMs or Config; the hooked call's send and receive phases instead.
+        self.ll_cols = [("op", 19, "<") if c[0] == "op" else c for c in self.cols if c[0] not in ("SMs", "nvl s/r")] + [
+            (f"send {self.mu}", 8, ">"), (f"recv {self.mu}", 8, ">")]
+
+    @staticmethod
+    def _head(cols) -> str:
+        head = " ".join(f"{name:{align}{width}}" for name, width, align in cols).rstrip()
         return head + "\n" + "-" * len(head)
+
+    def header(self) -> str:
+        return self._head(self.cols)
+
+    def ll_header(self) -> str:
+        return "low latency (FP8 dispatch, BF16 combine; GB/s in DeepEP's low-latency count)\n" + self._head(self.ll_cols)
 
     def row(self, r: dict) -> str:
         def num(v, fmt):
             return "-" if v is None else format(v, fmt)
+        if r["op"] in LL_OPS:
+            return self._ll_row(r, num)
         cfg = r.get("config")
         if cfg:
             chunks = f"{cfg[1]}/{cfg[2]}"
@@ -98,6 +120,19 @@ class Table:
                        num(r["gbps_min"], ".2f"), num(r.get("launch_us_avg"), ".1f"), num(r["host_us_avg"], ".1f"),
                        num(r.get("result_us_avg"), ".1f")]
         return " ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, self.cols)).rstrip()
+
+
+    def _ll_row(self, r: dict, num) -> str:
+        head = [r["impl"], r["op"], str(r["tokens"]), str(r["hidden"]), str(r["topk"]), str(r["experts"])]
+        if r.get("error"):
+            vals = head + [f"ERROR {r['error']}"]
+        else:
+            vals = head + [num(r["recv_tokens_avg"], ".0f"), num(r["time_us_avg"], ".1f"),
+                           f"({r['time_us_min']:.1f}-{r['time_us_max']:.1f})", num(r["gbps_avg"], ".2f"),
+                           num(r["gbps_min"], ".2f"), num(r.get("launch_us_avg"), ".1f"), num(r["host_us_avg"], ".1f"),
+                           num(r.get("result_us_avg"), ".1f"), num(r.get("send_us_avg"), ".1f"),
+                           num(r.get("recv_us_avg"), ".1f")]
+        return " ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, self.ll_cols)).rstrip()
 
 
 class Progress:
@@ -191,7 +226,8 @@ def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], ela
         "plan": {"mode": plan.mode, "backend": plan.backend, "lists": plan.lists, "reference": plan.reference,
                  "ops": plan.ops, "impls": plan.impls, "warmup": plan.warmup, "iters": plan.iters,
                  "host_iters": plan.host_iters, "flush_mb": args.flush_mb if cuda else 0,
-                 "num_cases": len(plan.cases), "notes": plan.notes},
+                 "num_cases": len(plan.cases), "notes": plan.notes, "ll_reference": plan.ll_reference,
+                 "num_ll_cases": len(plan.ll_cases)},
         "metrics": {
             "time": "per rank: median (min, max) over the timed calls; across ranks: the average of the medians",
             "gbps": "per rank: bytes / median time; dispatch_bf16, dispatch_cached, combine_bf16, alltoall_bf16: recv_tokens * hidden * 2;"
@@ -204,6 +240,18 @@ def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], ela
                          "CLOCK_MONOTONIC stamp); a dispatch returns later, once notify's counts reach the host",
             "result_us": "time to result with the GPU idle: from the Python call until the call has returned and "
                          "torch.cuda.synchronize() has returned (cpu: the call's return)",
+            "ll": "low-latency rows (ll_dispatch: FP8, ll_combine: BF16, ll_dispatch_combine: both back to back, the "
+                  "combine on the dispatch's handle), a Buffer with low_latency_mode=True; time as above, host figures of "
+                  "the plain call (async_finish=False); recv_tokens: rows received by the rank's experts (sum of recv_count)",
+            "ll_gbps": "DeepEP's low-latency count (tests/test_low_latency.py), per rank over its valid top-k selections s: "
+                       "ll_dispatch s * (hidden + hidden/128*4 + 16), ll_combine s * hidden * 2, ll_dispatch_combine the "
+                       "sum; / the median time",
+            "send_us, recv_us": "ll_dispatch and ll_combine with return_recv_hook=True: the call (send phase) and hook() "
+                                "(receive phase), each between CUDA events (cpu: perf_counter), the hook after the device "
+                                "idled and a barrier (every rank's sends done); per rank the median, across ranks the average",
+            "combine_err": "the low-latency check, once per case before timing (recv_count against the routing, then a "
+                           "combine of the dequantized rows against x * sum of valid weights): the largest per-token "
+                           "relative L2 error; a failed check is the case's error instead of figures",
         },
         "skipped": skipped,
         "elapsed_s": round(elapsed, 3),

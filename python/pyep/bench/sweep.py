@@ -17,7 +17,7 @@ from .env import environment
 from .ep_runner import EPRunner
 from .gpus import SHARED_NOTE, Placement, placement
 from .inputs import make_routing, make_x
-from .plan import Case, Plan, make_plan
+from .plan import LL_OPS, Case, Plan, make_plan
 from .report import Progress, Table, _bytes_of, _err, _finish, _merge, _us, default_out_dir
 from .pyep_runner import PyepRunner
 from .timing import Timer
@@ -61,8 +61,9 @@ def _record(impl, case: Case, op: str, rank: int, **fields) -> dict:
     return rec
 
 
-def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple[list, Dict[str, str], dict]:
-    """The implementations that can run on every rank, those skipped (with why), and DeepEP's import info."""
+def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple[list, list, Dict[str, str], dict]:
+    """The implementations that can run on every rank, their low-latency runners (each with its Buffer), those
+    skipped (with why; "<impl> low-latency" where only that Buffer failed), and DeepEP's import info."""
     R = group.size()
     skipped: Dict[str, str] = {}
     deepep_mod, deepep_info = None, {"version": None, "skipped": "not requested"}
@@ -90,7 +91,8 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple
                 impl = Baseline(group)
             else:
                 impl = PyepRunner(group) if name == "pyep" else DeepEPRunner(deepep_mod, group)
-                impl.open(plan.cases)
+                if plan.cases:
+                    impl.open(plan.cases)
         except Exception as e:  # noqa: BLE001 - recorded and skipped on every rank
             err = _err(e)
             if os.environ.get("PYEP_BENCH_DEBUG"):
@@ -102,7 +104,24 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple
                 impl.close()
         else:
             impls.append(impl)
-    return impls, skipped, deepep_info
+    lls = []
+    for impl in impls if plan.ll_cases else []:
+        if not isinstance(impl, EPRunner):
+            continue
+        err, ll = None, impl.low_latency()
+        try:
+            ll.open(plan.ll_cases)
+        except Exception as e:  # noqa: BLE001 - recorded and skipped on every rank
+            err = _err(e)
+            if os.environ.get("PYEP_BENCH_DEBUG"):
+                traceback.print_exc()
+        why = _agree(group, err)
+        if why:
+            skipped[f"{impl.name} low-latency"] = why
+            ll.close()
+        else:
+            lls.append(ll)
+    return impls, lls, skipped, deepep_info
 
 
 def _measure(impl, case: Case, ops: List[str], data: dict, plan: Plan, timer: Timer, group: dist.ProcessGroup,
@@ -142,7 +161,13 @@ def _measure_stage(impl, case: Case, ops: List[str], full: bool, data: dict, pla
             host = timer.host(host_call, wait, plan.host_iters, getattr(impl, "launched", None),
                               before=lambda: _barrier(group, where))
             med = statistics.median(times)
-            nbytes = _bytes_of(op, st["recv_tokens"], case.hidden)
+            nbytes = impl.op_bytes(op, case, st) if hasattr(impl, "op_bytes") else _bytes_of(op, st["recv_tokens"], case.hidden)
+            send = impl.send_phase(op, case, data, st) if hasattr(impl, "send_phase") else None
+            if send is not None:
+                sends, recvs = timer.phases(send, lambda: _barrier(group, where), plan.warmup, plan.iters)
+                fields.update(send_us=_median_us(sends), recv_us=_median_us(recvs))
+            if "combine_err" in st:
+                fields["combine_err"] = st["combine_err"]
             fields.update(median_us=_us(med), min_us=_us(min(times)), max_us=_us(max(times)),
                           times_us=[_us(t) for t in times], host_us=_median_us(host.calls),
                           launch_us=_median_us(host.launches), result_us=_median_us(host.results),
@@ -177,7 +202,7 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
         plan.notes.append(SHARED_NOTE)
     lead = rank == 0
     show = lead and not args.quiet
-    impls, skipped, deepep_info = _make_impls(plan, group, where)
+    impls, lls, skipped, deepep_info = _make_impls(plan, group, where)
     plan.notes += [impl.note for impl in impls if getattr(impl, "note", None)]
 
     env = environment(where, group, deepep_info) if lead else None
@@ -187,7 +212,7 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
         os.makedirs(out_dir, exist_ok=True)
     table = Table()
     lines: List[str] = []
-    progress = Progress(len(plan.cases), show)
+    progress = Progress(len(plan.cases) + len(plan.ll_cases), show)
 
     def emit(line: str) -> None:
         lines.append(line)
@@ -195,14 +220,16 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
             progress.write(line)
 
     if lead:
-        emit(f"pyep {pyep.__version__} bench: {where.describe(R, env.get('gpu'))}, {plan.mode}: {len(plan.cases)} cases, "
+        emit(f"pyep {pyep.__version__} bench: {where.describe(R, env.get('gpu'))}, {plan.mode}: {len(plan.cases)} cases"
+             f"{f' + {len(plan.ll_cases)} low-latency' if plan.ll_cases else ''}, "
              f"ops {','.join(plan.ops)}, impls {','.join(i.name for i in impls) or 'none'}, "
              f"warmup {plan.warmup}, iters {plan.iters}, host iters {plan.host_iters}")
         for name, why in skipped.items():
             emit(f"skipped {name}: {why}")
         for note in plan.notes:
             emit(f"note: {note}")
-        emit(table.header())
+        if plan.cases:
+            emit(table.header())
 
     timer = Timer(device, args.flush_mb)
     done = set()
@@ -210,8 +237,9 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
     data: dict = {}
     data_key: dict = {}
     t_start = time.perf_counter()
-    for case in plan.cases:
-        # Inputs, regenerated only when their shape changes (cases are sorted for that).
+
+    def inputs(case) -> None:
+        """The case's inputs in data, regenerated only when their shape changes (cases are sorted for that)."""
         rkey = (case.tokens, case.experts, case.topk)
         if data_key.get("routing") != rkey:
             data["topk_idx"], data["topk_weights"] = make_routing(case.tokens, case.experts, case.topk, rank,
@@ -223,6 +251,18 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
             data["x"], data["fp8"] = make_x(case.tokens, case.hidden, rank, args.seed, device)
             data_key["x"] = xkey
 
+    def gather(records: List[dict]) -> None:
+        gathered: List[Optional[List[dict]]] = [None] * R
+        dist.all_gather_object(gathered, records, group=group)
+        if lead:
+            for i in range(len(records)):
+                merged = _merge([gathered[r][i] for r in range(R)])
+                results.append(merged)
+                emit(table.row(merged))
+        progress.update()
+
+    for case in plan.cases:
+        inputs(case)
         records: List[dict] = []
         for impl in impls:
             todo = []
@@ -241,17 +281,22 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
                     todo.append(op)
             if todo:
                 records += _measure(impl, case, todo, data, plan, timer, group, where)
+        gather(records)
 
-        gathered: List[Optional[List[dict]]] = [None] * R
-        dist.all_gather_object(gathered, records, group=group)
-        if lead:
-            for i in range(len(records)):
-                merged = _merge([gathered[r][i] for r in range(R)])
-                results.append(merged)
-                emit(table.row(merged))
-        progress.update()
+    # Low-latency mode: each implementation's own Buffer (made in _make_impls), after the normal-mode cases.
+    ll_ops = [op for op in plan.ops if op in LL_OPS]
+    if lead and plan.ll_cases and lls:
+        emit(table.ll_header())
+    for case in plan.ll_cases:
+        inputs(case)
+        records = []
+        for ll in lls:
+            records += _measure(ll, case, ll_ops, data, plan, timer, group, where)
+        gather(records)
     progress.close()
     elapsed = time.perf_counter() - t_start
+    for ll in lls:
+        ll.close()
     for impl in impls:
         impl.close()
     data.clear()

@@ -1,6 +1,6 @@
-"""Timing of one measurement: device time (CUDA events, L2 flushed) and host time."""
+"""Timing of one measurement: device time (CUDA events, L2 flushed), host time, and a hooked call's two phases."""
 import time
-from typing import Callable, List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -36,6 +36,48 @@ class Timer:
             ends[i].record()
         torch.cuda.synchronize()
         return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+
+    def phases(self, send: Callable[[], Callable[[], None]], between: Callable[[], None], warmup: int,
+               iters: int) -> Tuple[List[float], List[float]]:
+        """Seconds of the send phase and of the receive phase of each of `iters` hooked calls after `warmup` untimed
+        ones. `send` issues a call with return_recv_hook=True and returns its hook; the hook is timed apart, after
+        the device finished the send phase and `between` (a barrier) let every rank's send phase finish too, so that
+        the receive phase finds its data there (as DeepEP's test times it, with a GEMM in between)."""
+        for _ in range(warmup):
+            hook = send()
+            self._idle(between)
+            hook()
+        sends: List[float] = []
+        recvs: List[float] = []
+        if not self.cuda:
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                hook = send()
+                sends.append(time.perf_counter() - t0)
+                between()
+                t0 = time.perf_counter()
+                hook()
+                recvs.append(time.perf_counter() - t0)
+            return sends, recvs
+        torch.cuda.synchronize()
+        ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(iters)]
+        for e in ev:
+            if self.flush is not None:
+                self.flush.zero_()
+            e[0].record()
+            hook = send()
+            e[1].record()
+            self._idle(between)
+            e[2].record()
+            hook()
+            e[3].record()
+        torch.cuda.synchronize()
+        return [e[0].elapsed_time(e[1]) / 1e3 for e in ev], [e[2].elapsed_time(e[3]) / 1e3 for e in ev]
+
+    def _idle(self, between: Callable[[], None]) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        between()
 
     def host(self, fn: Callable[[], object], wait: Callable[[object], None], iters: int,
              launched: Optional[Callable[[], float]] = None,
