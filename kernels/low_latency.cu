@@ -164,6 +164,17 @@ PYEP_DEVICE void finish_recv(const LLParams& p, u32 seq) {
     }
 }
 
+// A kernel: its call's send phase, its receive phase, or both, as p.phases says.
+template <typename Send, typename Recv>
+PYEP_DEVICE void run_phases(const LLParams& p, Send send, Recv recv) {
+    const u32 seq = call_seq(p);
+    if (p.phases & kPhaseSend) send(p, seq);
+    if (p.phases & kPhaseRecv) {
+        recv(p, seq);
+        finish_recv(p, seq);
+    }
+}
+
 // ---- number conversions, bit for bit those of goep/lowlatency (cast.go) ---------------------
 
 PYEP_DEVICE float mul_rn(float a, float b) {
@@ -368,22 +379,15 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
     }
 }
 
-PYEP_DEVICE void run_dispatch(const LLParams& p) {
-    const u32 seq = call_seq(p);
-    if (p.phases & kPhaseSend) dispatch_send(p, seq);
-    if (p.phases & kPhaseRecv) {
-        dispatch_recv(p, seq);
-        finish_recv(p, seq);
-    }
-}
-
 // The GPU loads the kernels by their C++ names, so that profilers show pyep::ll::dispatch and ::combine (DeepEP's
 // test harness finds its kernels by those names); the emulator by their C names.
 #ifdef PYEP_EMU
-extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_ll_dispatch(const LLParams p) { run_dispatch(p); }
+extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_ll_dispatch(const LLParams p) {
+    run_phases(p, dispatch_send, dispatch_recv);
+}
 #else
 namespace ll {
-__global__ void __launch_bounds__(kThreads, 1) dispatch(const LLParams p) { run_dispatch(p); }
+__global__ void __launch_bounds__(kThreads, 1) dispatch(const LLParams p) { run_phases(p, dispatch_send, dispatch_recv); }
 }  // namespace ll
 #endif
 
@@ -467,20 +471,13 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
     }
 }
 
-PYEP_DEVICE void run_combine(const LLParams& p) {
-    const u32 seq = call_seq(p);
-    if (p.phases & kPhaseSend) combine_send(p, seq);
-    if (p.phases & kPhaseRecv) {
-        combine_recv(p, seq);
-        finish_recv(p, seq);
-    }
-}
-
 #ifdef PYEP_EMU
-extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_ll_combine(const LLParams p) { run_combine(p); }
+extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_ll_combine(const LLParams p) {
+    run_phases(p, combine_send, combine_recv);
+}
 #else
 namespace ll {
-__global__ void __launch_bounds__(kThreads, 1) combine(const LLParams p) { run_combine(p); }
+__global__ void __launch_bounds__(kThreads, 1) combine(const LLParams p) { run_phases(p, combine_send, combine_recv); }
 }  // namespace ll
 #endif
 

@@ -3,6 +3,7 @@
 package cuda
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"sync"
@@ -44,8 +45,7 @@ type LowLatency struct {
 	localDev driver.DevicePtr // llLocalBytes: the kernels' own counters
 	errHost  unsafe.Pointer
 	errDev   driver.DevicePtr
-	calls    uint64     // calls since clean: the next call's half is calls % 2
-	pending  [2]*LLRecv // the receive of the call on each half that awaits its hook
+	calls    uint64 // calls since clean: the next call's half is calls % 2
 	params   *llParams
 	dead     error
 	closed   bool
@@ -146,11 +146,8 @@ func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error
 	if err := e.failure(); err != nil {
 		return nil, err
 	}
-	l, err := lowlatency.NewLayout(e.n, c.Shape)
+	l, err := e.layout(c.Shape)
 	if err != nil {
-		return nil, err
-	}
-	if err := l.Fits(e.bytes); err != nil {
 		return nil, err
 	}
 	exit, err := e.b.Enter()
@@ -158,11 +155,9 @@ func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error
 	if err != nil {
 		return nil, err
 	}
+	// goep refuses a call whose half still awaits a hook (the call two back): its send would wait
+	// for an acknowledgement that the hook gives.
 	h := int(e.calls % 2)
-	if r := e.pending[h]; r != nil && !r.done {
-		return nil, fmt.Errorf("%w: the receive hook of the low-latency call two calls back (same buffer half) has not been "+
-			"called: at most two calls may await their hooks; call that hook first", errInvalidLL)
-	}
 	opts := e.b.kernels.options()
 	name, def, kind := int8(nameLLDispatch), "PYEP_LL_DISPATCH", int8(kindLLDispatch)
 	if combine {
@@ -206,12 +201,10 @@ func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error
 		return nil, err
 	}
 	if !c.Hook {
-		e.pending[h] = nil
 		return nil, nil
 	}
 	r := &LLRecv{e: e, f: f, params: *p, opts: opts}
 	r.params.phases = llPhaseRecv
-	e.pending[h] = r
 	return r, nil
 }
 
@@ -249,9 +242,6 @@ func (r *LLRecv) Finish(stream uintptr) error {
 	if err != nil {
 		return err
 	}
-	if e.pending[r.params.half] == r {
-		e.pending[r.params.half] = nil
-	}
 	*e.params = r.params
 	return e.launch(r.f, e.b.WrapStream(stream), e.params, r.opts)
 }
@@ -259,62 +249,64 @@ func (r *LLRecv) Finish(stream uintptr) error {
 // Clean zeroes this rank's flags, acknowledgements and call counters, and with masks its masks
 // too (the callers pass a barrier before and after), and forgets the recorded failure.
 func (e *LowLatency) Clean(s lowlatency.Shape, masks bool) error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	l, err := lowlatency.NewLayout(e.n, s)
-	if err == nil {
-		err = l.Fits(e.bytes)
-	}
+	l, err := e.layout(s)
 	if err != nil {
 		return err
 	}
-	exit, err := e.b.Enter()
-	defer exit()
-	if err != nil {
-		return err
-	}
-	if err := e.b.drv.CtxSynchronize(); err != nil {
-		return err
-	}
-	zero := [][2]int64{{l.Ack(0, 0), 16 * int64(e.n)}, {l.DispatchFlags(0), 2 * l.FlagBytes}, {l.DispatchFlags(1), 2 * l.FlagBytes}}
-	if masks {
-		zero = append(zero, [2]int64{l.Mask(0), 4 * int64(e.n)})
-	}
-	for _, z := range zero {
-		if err := e.b.drv.MemsetD8(e.base.Add(int(z[0])), 0, int(z[1])); err != nil {
+	return e.idle(func() error {
+		zero := [][2]int64{{l.Ack(0, 0), 16 * int64(e.n)}, {l.DispatchFlags(0), 2 * l.FlagBytes}, {l.DispatchFlags(1), 2 * l.FlagBytes}}
+		if masks {
+			zero = append(zero, [2]int64{l.Mask(0), 4 * int64(e.n)})
+		}
+		for _, z := range zero {
+			if err := e.b.drv.MemsetD8(e.base.Add(int(z[0])), 0, int(z[1])); err != nil {
+				return err
+			}
+		}
+		if err := e.b.drv.MemsetD8(e.localDev, 0, llLocalBytes); err != nil {
 			return err
 		}
-	}
-	if err := e.b.drv.MemsetD8(e.localDev, 0, llLocalBytes); err != nil {
-		return err
-	}
-	*(*llError)(e.errHost) = llError{}
-	e.dead, e.calls, e.pending = nil, 0, [2]*LLRecv{}
-	return nil
+		*(*llError)(e.errHost) = llError{}
+		e.dead, e.calls = nil, 0
+		return nil
+	})
 }
 
-// SetMask masks (or unmasks) rank p on this rank; Masks reads every rank's.
+// SetMask masks (or unmasks) rank p on this rank.
 func (e *LowLatency) SetMask(p int, on bool) error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	exit, err := e.b.Enter()
-	defer exit()
-	if err != nil {
-		return err
-	}
-	if err := e.b.drv.CtxSynchronize(); err != nil {
-		return err
-	}
 	v := []byte{0, 0, 0, 0}
 	if on {
 		v[0] = 1
 	}
-	l, _ := lowlatency.NewLayout(e.n, lowlatency.Shape{MaxTokens: 1, Hidden: lowlatency.ScaleBlock, NumExperts: e.n})
-	return e.b.drv.MemcpyHtoD(e.base.Add(int(l.Mask(p))), v)
+	return e.idle(func() error { return e.b.drv.MemcpyHtoD(e.maskWord(p), v) })
 }
 
 // Masks reads the masks of every rank (1: masked).
 func (e *LowLatency) Masks(out []int32) error {
+	raw := make([]byte, 4*e.n)
+	return e.idle(func() error {
+		if err := e.b.drv.MemcpyDtoH(raw, e.maskWord(0)); err != nil {
+			return err
+		}
+		for i := range out {
+			out[i] = int32(binary.LittleEndian.Uint32(raw[4*i:]))
+		}
+		return nil
+	})
+}
+
+// layout is shape s's layout, checked against the region's size.
+func (e *LowLatency) layout(s lowlatency.Shape) (lowlatency.Layout, error) {
+	l, err := lowlatency.NewLayout(e.n, s)
+	if err == nil {
+		err = l.Fits(e.bytes)
+	}
+	return l, err
+}
+
+// idle runs f with the engine locked, the context current and the device idle: the words f
+// touches are the kernels' too.
+func (e *LowLatency) idle(f func() error) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	exit, err := e.b.Enter()
@@ -325,19 +317,14 @@ func (e *LowLatency) Masks(out []int32) error {
 	if err := e.b.drv.CtxSynchronize(); err != nil {
 		return err
 	}
-	l, _ := lowlatency.NewLayout(e.n, lowlatency.Shape{MaxTokens: 1, Hidden: lowlatency.ScaleBlock, NumExperts: e.n})
-	raw := make([]byte, 4*e.n)
-	if err := e.b.drv.MemcpyDtoH(raw, e.base.Add(int(l.Mask(0)))); err != nil {
-		return err
-	}
-	for i := range out {
-		out[i] = int32(uint32(raw[4*i]) | uint32(raw[4*i+1])<<8 | uint32(raw[4*i+2])<<16 | uint32(raw[4*i+3])<<24)
-	}
-	return nil
+	return f()
 }
 
-// errInvalidLL marks a caller's mistake.
-var errInvalidLL = errors.New("invalid argument")
+// maskWord is the address of rank p's mask word in this rank's header (which no shape changes).
+func (e *LowLatency) maskWord(p int) driver.DevicePtr {
+	l, _ := lowlatency.NewLayout(e.n, lowlatency.Shape{MaxTokens: 1, Hidden: lowlatency.ScaleBlock, NumExperts: e.n})
+	return e.base.Add(int(l.Mask(p)))
+}
 
 func b2s(v bool) string {
 	if v {
@@ -377,10 +364,7 @@ func (e *LowLatency) SetTimeout(d time.Duration) {
 func (e *LowLatency) NextSend(s lowlatency.Shape) (int64, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	l, err := lowlatency.NewLayout(e.n, s)
-	if err == nil {
-		err = l.Fits(e.bytes)
-	}
+	l, err := e.layout(s)
 	if err != nil {
 		return 0, err
 	}
