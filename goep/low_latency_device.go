@@ -58,6 +58,9 @@ func (ll *lowLatency) launchDevice(combine bool, c *LLCall) (uint32, error) {
 	if combine {
 		op = "low_latency_combine"
 	}
+	if err := lowlatency.SameShape(op, ll.shape, c.Shape); err != nil {
+		return 0, llErr(err)
+	}
 	if back := ll.calls - 1; ll.calls >= 2 && ll.deviceHooks[back] != nil {
 		return 0, Argf("%s: the receive hook of low-latency call %d (two calls back, same buffer half) has not been "+
 			"called: at most two calls may await their hooks; call that hook first", op, back)
@@ -66,7 +69,7 @@ func (ll *lowLatency) launchDevice(combine bool, c *LLCall) (uint32, error) {
 	if err != nil {
 		return 0, llErr(err)
 	}
-	ll.calls++
+	ll.calls, ll.shape = ll.calls+1, c.Shape
 	if recv != nil {
 		ll.deviceHooks[ll.calls] = recv
 	}

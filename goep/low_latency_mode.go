@@ -29,9 +29,11 @@ type lowLatency struct {
 	hooks map[uint32]*lowlatency.Recv
 
 	// On a device (LowLatencyEngines) the backend's engine runs the calls instead of engine;
-	// calls numbers them (since the last clean) and deviceHooks keeps their hooks' receives.
+	// calls numbers them (since the last clean), shape is theirs, and deviceHooks keeps their
+	// hooks' receives.
 	device      DeviceLowLatency
 	calls       uint32
+	shape       lowlatency.Shape
 	deviceHooks map[uint32]LLReceive
 }
 
@@ -334,7 +336,7 @@ func (b *Buffer) LowLatencyClean(maxTokens, hidden, numExperts int) error {
 	if ll.device != nil {
 		// Without enable_shrink a mask only marks a peer that timed out: clean forgets it too.
 		clear(ll.deviceHooks)
-		ll.calls = 0
+		ll.calls, ll.shape = 0, lowlatency.Shape{}
 		return llErr(ll.device.Clean(shape, !b.params.EnableShrink))
 	}
 	return llErr(ll.engine.Clean(shape))

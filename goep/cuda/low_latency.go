@@ -178,7 +178,6 @@ func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error
 	if err != nil {
 		return nil, err
 	}
-	e.calls++
 	p := e.params
 	*p = llParams{peers: u64(e.peersDev), err: u64(e.errDev), timeout_ns: u64(e.timeout.Nanoseconds()),
 		calls: u64(e.localDev), counter: u64(e.localDev) + 16, off_ack: u64(l.Ack(0, 0)), off_mask: u64(l.Mask(0)),
@@ -200,6 +199,7 @@ func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error
 	if err := e.launch(f, s, p, opts); err != nil {
 		return nil, err
 	}
+	e.calls++ // the half alternates with the calls queued
 	if !c.Hook {
 		return nil, nil
 	}

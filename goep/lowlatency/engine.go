@@ -160,6 +160,17 @@ func (e *Engine) wait(peer int, what func() string, ready func() bool) (bool, ti
 	}
 }
 
+// SameShape checks that a call's shape s is prev, the shape of the calls since the last clean
+// (zero: none yet): the flags and slots of every call lie where that shape's layout puts them.
+func SameShape(op string, prev, s Shape) error {
+	if prev != (Shape{}) && prev != s {
+		return invalid("%s: num_max_dispatch_tokens_per_rank = %d, hidden = %d, num_experts = %d differ from the "+
+			"previous low-latency calls' %d, %d, %d: call clean_low_latency_buffer on every rank before changing them", op,
+			s.MaxTokens, s.Hidden, s.NumExperts, prev.MaxTokens, prev.Hidden, prev.NumExperts)
+	}
+	return nil
+}
+
 // begin starts call seq+1 with shape s: it checks that the engine is usable, that s is the
 // shape of the calls since clean and fits, and that the receive of the call two back, on the
 // same half, has finished here. It returns the layout, the half and the new seq.
@@ -174,10 +185,8 @@ func (e *Engine) begin(op string, s Shape) (Layout, int, uint32, error) {
 	if err != nil {
 		return Layout{}, 0, 0, err
 	}
-	if e.shape != (Shape{}) && e.shape != s {
-		return Layout{}, 0, 0, invalid("%s: num_max_dispatch_tokens_per_rank = %d, hidden = %d, num_experts = %d differ from the "+
-			"previous low-latency calls' %d, %d, %d: call clean_low_latency_buffer on every rank before changing them", op,
-			s.MaxTokens, s.Hidden, s.NumExperts, e.shape.MaxTokens, e.shape.Hidden, e.shape.NumExperts)
+	if err := SameShape(op, e.shape, s); err != nil {
+		return Layout{}, 0, 0, err
 	}
 	seq := e.seq + 1
 	h := int(seq-1) % 2
