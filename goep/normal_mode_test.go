@@ -51,20 +51,8 @@ func (gpuBackend) DeviceID() int { return 0 }
 // its seven caller tensors and the views of its outputs (4096 tokens, hidden 7168, top-8 of 256
 // experts, 4 ranks).
 func BenchmarkDispatchChecks(b *testing.B) {
-	topo, err := NewTopology(0, 4, false)
-	require.NoError(b, err)
-	buf := &Buffer{topo: topo, backend: gpuBackend{}}
-	cfg, err := NewConfig(24, 6, 256, 6, 128)
-	require.NoError(b, err)
-	mem := make([]byte, 1<<20)
-	p := uintptr(unsafe.Pointer(&mem[0]))
-	dev := DeviceCode(CUDADevice, 0)
-	two := func(dtype int, s0, s1 int64) Desc {
-		return Desc{Data: p, DType: dtype, Device: dev, NDim: 2, Size: [2]int64{s0, s1}, Stride: [2]int64{s1, 1}}
-	}
-	one := func(dtype int, s0 int64) Desc {
-		return Desc{Data: p, DType: dtype, Device: dev, NDim: 1, Size: [2]int64{s0}, Stride: [2]int64{1}}
-	}
+	f := newDispatchFixture(b, 1<<20)
+	buf, cfg, p, two, one := f.buf, f.cfg, f.p, f.two, f.one
 	const bf16, i32, i64, f32, boolean = 3, 6, 7, 0, 12
 	a := &DispatchArgs{Config: cfg, ExpertAlignment: 1, X: two(bf16, 4096, 7168), XScales: Desc{NDim: NoneDim},
 		TopkIdx: two(i64, 4096, 8), TopkWeights: two(f32, 4096, 8), PerRank: one(i32, 4), PerExpert: one(i32, 256),
@@ -84,20 +72,8 @@ func BenchmarkDispatchChecks(b *testing.B) {
 
 // The limits every engine shares are checked once, here, before any engine work.
 func TestDispatchLimits(t *testing.T) {
-	topo, err := NewTopology(0, 4, false)
-	require.NoError(t, err)
-	buf := &Buffer{topo: topo, backend: gpuBackend{}}
-	cfg, err := NewConfig(24, 6, 256, 6, 128)
-	require.NoError(t, err)
-	mem := make([]byte, 1<<16)
-	p := uintptr(unsafe.Pointer(&mem[0]))
-	dev := DeviceCode(CUDADevice, 0)
-	two := func(dtype int, s0, s1 int64) Desc {
-		return Desc{Data: p, DType: dtype, Device: dev, NDim: 2, Size: [2]int64{s0, s1}, Stride: [2]int64{s1, 1}}
-	}
-	one := func(dtype int, s0 int64) Desc {
-		return Desc{Data: p, DType: dtype, Device: dev, NDim: 1, Size: [2]int64{s0}, Stride: [2]int64{1}}
-	}
+	f := newDispatchFixture(t, 1<<16)
+	buf, cfg, p, two, one := f.buf, f.cfg, f.p, f.two, f.one
 	const bf16, i32, i64, f32, boolean = 3, 6, 7, 0, 12
 	args := func() *DispatchArgs {
 		return &DispatchArgs{Config: cfg, ExpertAlignment: 1, X: two(bf16, 8, 64), XScales: Desc{NDim: NoneDim},
@@ -125,4 +101,32 @@ func TestDispatchLimits(t *testing.T) {
 			assert.EqualError(t, err, tt.err)
 		})
 	}
+}
+
+// dispatchFixture is a 4-rank buffer on a GPU-like backend, a config, and descriptions of tensors
+// (two- and one-dimensional, contiguous) over n bytes of host memory.
+type dispatchFixture struct {
+	buf *Buffer
+	cfg Config
+	p   uintptr
+	mem []byte
+	two func(dtype int, s0, s1 int64) Desc
+	one func(dtype int, s0 int64) Desc
+}
+
+func newDispatchFixture(tb testing.TB, n int) *dispatchFixture {
+	topo, err := NewTopology(0, 4, false)
+	require.NoError(tb, err)
+	cfg, err := NewConfig(24, 6, 256, 6, 128)
+	require.NoError(tb, err)
+	f := &dispatchFixture{buf: &Buffer{topo: topo, backend: gpuBackend{}}, cfg: cfg, mem: make([]byte, n)}
+	f.p = uintptr(unsafe.Pointer(&f.mem[0]))
+	dev := DeviceCode(CUDADevice, 0)
+	f.two = func(dtype int, s0, s1 int64) Desc {
+		return Desc{Data: f.p, DType: dtype, Device: dev, NDim: 2, Size: [2]int64{s0, s1}, Stride: [2]int64{s1, 1}}
+	}
+	f.one = func(dtype int, s0 int64) Desc {
+		return Desc{Data: f.p, DType: dtype, Device: dev, NDim: 1, Size: [2]int64{s0}, Stride: [2]int64{1}}
+	}
+	return f
 }

@@ -23,6 +23,18 @@ from .pyep_runner import PyepRunner
 from .timing import Timer
 
 
+def _agreed_try(group: dist.ProcessGroup, fn) -> Optional[str]:
+    """Runs fn; then every rank learns the first rank's failure (see _agree), so that all go on or skip together."""
+    err = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - recorded and skipped on every rank
+        err = _err(e)
+        if os.environ.get("PYEP_BENCH_DEBUG"):
+            traceback.print_exc()
+    return _agree(group, err)
+
+
 def _agree(group: dist.ProcessGroup, error: Optional[str]) -> Optional[str]:
     """Every rank's error (or None) to every rank: the first one, named by rank, or None if all succeeded."""
     gathered: List[Optional[str]] = [None] * group.size()
@@ -85,19 +97,18 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple
     for name in plan.impls:
         if name in skipped:
             continue
-        err, impl = None, None
-        try:
+        made = []
+
+        def make():
             if name == "baseline":
-                impl = Baseline(group)
-            else:
-                impl = PyepRunner(group) if name == "pyep" else DeepEPRunner(deepep_mod, group)
-                if plan.cases:
-                    impl.open(plan.cases)
-        except Exception as e:  # noqa: BLE001 - recorded and skipped on every rank
-            err = _err(e)
-            if os.environ.get("PYEP_BENCH_DEBUG"):
-                traceback.print_exc()
-        why = _agree(group, err)
+                made.append(Baseline(group))
+                return
+            made.append(PyepRunner(group) if name == "pyep" else DeepEPRunner(deepep_mod, group))
+            if plan.cases:
+                made[0].open(plan.cases)
+
+        why = _agreed_try(group, make)
+        impl = made[0] if made else None
         if why:
             skipped[name] = why
             if impl is not None:
@@ -108,14 +119,8 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple
     for impl in impls if plan.ll_cases else []:
         if not isinstance(impl, EPRunner):
             continue
-        err, ll = None, impl.low_latency()
-        try:
-            ll.open(plan.ll_cases)
-        except Exception as e:  # noqa: BLE001 - recorded and skipped on every rank
-            err = _err(e)
-            if os.environ.get("PYEP_BENCH_DEBUG"):
-                traceback.print_exc()
-        why = _agree(group, err)
+        ll = impl.low_latency()
+        why = _agreed_try(group, lambda: ll.open(plan.ll_cases))
         if why:
             skipped[f"{impl.name} low-latency"] = why
             ll.close()
