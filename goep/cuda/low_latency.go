@@ -170,7 +170,7 @@ func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error
 		}
 	}
 	key := kernelKey{kind: kind, name: name, a: int32(c.Shape.Hidden), b: int32(c.NumTopk), c: flags, threads: int32(opts.LowLatencyThreads)}
-	f, err := e.b.kernels.function(e.b, key, "low_latency.cu", func() map[string]string {
+	f, err := e.b.kernels.function(e.b, key, func() map[string]string {
 		return map[string]string{def: "", "PYEP_LL_HIDDEN": itoa(c.Shape.Hidden), "PYEP_LL_TOPK": itoa(c.NumTopk),
 			"PYEP_LL_FP8": b2s(c.UseFP8), "PYEP_LL_ROUND": b2s(c.RoundScale), "PYEP_LL_UE8M0": b2s(c.UseUE8M0),
 			"PYEP_LL_THREADS": itoa(opts.LowLatencyThreads)}

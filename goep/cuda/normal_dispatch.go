@@ -66,7 +66,7 @@ func (e *normalEngine) prepareDispatch(st *bufferState, topo goep.Topology, a *g
 	vec := vecBytes(a.HiddenBytes, ptr(a.X), ptr(a.RecvX))
 	key := kernelKey{kind: kindDispatch, name: nameDispatch, ranks: int32(R), a: int32(a.HiddenBytes), b: int32(a.ScalesBytes),
 		c: int32(a.NumTopk), d: int32(vec), threads: threads}
-	f, err = e.b.kernels.function(e.b, key, "intranode.cu", func() map[string]string {
+	f, err = e.b.kernels.function(e.b, key, func() map[string]string {
 		return DispatchDefines(R, a.HiddenBytes, a.ScalesBytes, a.NumTopk, vec, int(threads))
 	})
 	return f, off, err
@@ -127,7 +127,7 @@ func (e *normalEngine) Combine(peers []goep.Region, a *goep.CombineOp) error {
 	threads := int32(e.opts.Threads)
 	key := kernelKey{kind: kindCombine, name: nameCombine, ranks: int32(R), a: int32(a.Hidden), b: dtype, c: int32(a.NumTopk),
 		d: int32(vec), threads: threads}
-	f, err := e.b.kernels.function(e.b, key, "intranode.cu", func() map[string]string {
+	f, err := e.b.kernels.function(e.b, key, func() map[string]string {
 		return CombineDefines(R, a.Hidden, int(dtype), a.NumTopk, vec, int(threads))
 	})
 	if err != nil {

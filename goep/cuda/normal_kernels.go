@@ -112,34 +112,50 @@ const (
 	nameLLCombine
 )
 
-var kernelNames = map[int8]string{nameNotify: "pyep_notify", namePrologue: "pyep_prologue",
-	nameDispatch: "pyep_dispatch", nameCombine: "pyep_combine", nameLayout: "pyep_layout",
-	nameLLDispatch: "pyep_ll_dispatch", nameLLCombine: "pyep_ll_combine"}
+// kernelSymbol is where a kernel lives and the symbols it is loaded by.
+type kernelSymbol struct {
+	file string // in kernels/
+	c    string // the emulator's extern "C" twin, and the name in errors
+	gpu  string // in the GPU image: the C name, or the mangled C++ name of pyep::ll::dispatch(pyep::pyep_ll_params) and
+	// ::combine, which profilers show and DeepEP's test harness looks for (see low_latency.cu)
+}
 
-// cppNames are the symbols of the kernels that the GPU loads by their C++ names (pyep::ll::dispatch(pyep::LLParams)
-// and ::combine, mangled: see low_latency.cu); the emulator runs their C twins, kernelNames'.
-var cppNames = map[int8]string{nameLLDispatch: "_ZN4pyep2ll8dispatchENS_8LLParamsE",
-	nameLLCombine: "_ZN4pyep2ll7combineENS_8LLParamsE"}
+var kernelSymbols = map[int8]kernelSymbol{
+	nameNotify:     {"intranode.cu", "pyep_notify", "pyep_notify"},
+	namePrologue:   {"intranode.cu", "pyep_prologue", "pyep_prologue"},
+	nameDispatch:   {"intranode.cu", "pyep_dispatch", "pyep_dispatch"},
+	nameCombine:    {"intranode.cu", "pyep_combine", "pyep_combine"},
+	nameLayout:     {"layout.cu", "pyep_layout", "pyep_layout"},
+	nameLLDispatch: {"low_latency.cu", "pyep_ll_dispatch", "_ZN4pyep2ll8dispatchENS_14pyep_ll_paramsE"},
+	nameLLCombine:  {"low_latency.cu", "pyep_ll_combine", "_ZN4pyep2ll7combineENS_14pyep_ll_paramsE"},
+}
+
+// GPUSymbols are the symbols the GPU loads, by kernel file (for tests that check them against the compiled image).
+func GPUSymbols() map[string][]string {
+	out := map[string][]string{}
+	for _, sym := range kernelSymbols {
+		out[sym.file] = append(out[sym.file], sym.gpu)
+	}
+	return out
+}
 
 // function returns the kernel of key, loading it on first use; the context is current.
-func (k *kernelCache) function(b *Backend, key kernelKey, file string, defines func() map[string]string) (driver.Function, error) {
+func (k *kernelCache) function(b *Backend, key kernelKey, defines func() map[string]string) (driver.Function, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if f, ok := k.kernels[key]; ok {
 		return f, nil
 	}
-	name := kernelNames[key.name]
+	sym := kernelSymbols[key.name]
 	var f driver.Function
 	var err error
 	if k.opts.Loader != nil {
-		f, err = k.opts.Loader.Load(b, file, name, defines())
-	} else if cpp, ok := cppNames[key.name]; ok {
-		f, err = k.nvrtc(b, file, cpp, defines())
+		f, err = k.opts.Loader.Load(b, sym.file, sym.c, defines())
 	} else {
-		f, err = k.nvrtc(b, file, name, defines())
+		f, err = k.nvrtc(b, sym.file, sym.gpu, defines())
 	}
 	if err != nil {
-		return driver.Function{}, fmt.Errorf("pyep: loading kernel %s of %s: %w", name, file, err)
+		return driver.Function{}, fmt.Errorf("pyep: loading kernel %s of %s: %w", sym.c, sym.file, err)
 	}
 	if k.kernels == nil {
 		k.kernels = map[kernelKey]driver.Function{}

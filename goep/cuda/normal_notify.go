@@ -28,7 +28,7 @@ func (e *normalEngine) Layout(a *goep.LayoutOp) error {
 	T, K := int32(a.TopkIdx.Shape[0]), int32(a.TopkIdx.Shape[1])
 	E, R := int32(a.NumExperts), int32(a.NumRanks)
 	threads := int32(e.opts.LayoutThreads)
-	f, err := e.b.kernels.function(e.b, kernelKey{kind: kindLayout, name: nameLayout, threads: threads}, "layout.cu",
+	f, err := e.b.kernels.function(e.b, kernelKey{kind: kindLayout, name: nameLayout, threads: threads},
 		func() map[string]string { return LayoutDefines(int(threads)) })
 	if err != nil {
 		return err
@@ -153,7 +153,7 @@ func (e *normalEngine) prepareNotify(st *bufferState, topo goep.Topology, peers 
 	}
 	threads := int32(e.opts.NotifyThreads)
 	key := kernelKey{kind: kindNotify, name: nameNotify, ranks: int32(R), threads: threads}
-	if f, err = e.b.kernels.function(e.b, key, "intranode.cu", func() map[string]string { return NotifyDefines(R, int(threads), e.opts.Threads) }); err != nil {
+	if f, err = e.b.kernels.function(e.b, key, func() map[string]string { return NotifyDefines(R, int(threads), e.opts.Threads) }); err != nil {
 		return f, 0, err
 	}
 	p := &e.params.notify
@@ -231,7 +231,7 @@ func (e *normalEngine) RecvPerExpert() ([]int32, error) {
 func (e *normalEngine) prologueFor(op int32, st *bufferState, topo goep.Topology, peers []goep.Region, cfg goep.Config) error {
 	threads := int32(e.opts.NotifyThreads)
 	key := kernelKey{kind: kindNotify, name: namePrologue, ranks: int32(topo.NumNVLRanks), threads: threads}
-	f, err := e.b.kernels.function(e.b, key, "intranode.cu", func() map[string]string {
+	f, err := e.b.kernels.function(e.b, key, func() map[string]string {
 		return NotifyDefines(topo.NumNVLRanks, int(threads), e.opts.Threads)
 	})
 	if err != nil {
