@@ -216,7 +216,7 @@ func (e *LowLatency) launch(f driver.Function, s driver.Stream, p *llParams, o N
 		if err != nil {
 			return err
 		}
-		grid = max(1, min(32, sms/e.sharing))
+		grid = max(1, sms/e.sharing)
 	}
 	if err := f.Launch([3]uint32{uint32(grid), 1, 1}, [3]uint32{uint32(o.LowLatencyThreads), 1, 1}, 0, s, unsafe.Pointer(p)); err != nil {
 		return err
