@@ -61,7 +61,6 @@ constexpr int kThreads = PYEP_LL_THREADS;
 constexpr int kWarps = kThreads / 32;
 constexpr int kScaleBlock = 128;
 constexpr int kMsgHeader = 16;  // int32 source token, 3 reserved
-constexpr int kCopyUnroll = 8;  // vectors in flight per lane when a warp copies a row (copy.cuh)
 static_assert(kHidden % kScaleBlock == 0 && kThreads % 32 == 0, "hidden is whole scale blocks");
 
 enum : int { kPhaseSend = 1, kPhaseRecv = 2 };
@@ -119,33 +118,6 @@ PYEP_DEVICE bool thread_wait(const LLParams& p, int peer, int what, Ready ready,
     return ok;
 }
 
-// Lane 0 waits as thread_wait; every lane learns whether ready() held.
-template <typename Ready>
-PYEP_DEVICE bool warp_wait(const LLParams& p, int peer, int what, Ready ready) {
-    u64 spent;
-    i32 ok = lane_id() == 0 ? thread_wait(p, peer, what, ready, spent) : 1;
-    ok = __shfl_sync(0xffffffffu, ok, 0);
-    __syncwarp();
-    return ok != 0;
-}
-
-// Waits for peer dst's acknowledgement of the previous call on this half.
-PYEP_DEVICE bool await_ack(const LLParams& p, int dst, u32 seq) {
-    if (dst == p.rank || seq <= 1) return true;
-    const u64* ack = reinterpret_cast<const u64*>(local(p) + p.off_ack) + p.half * p.num_ranks + dst;
-    return warp_wait(p, dst, kWaitAck, [&] { return ld_acquire_sys(ack) >= seq - 1; });
-}
-
-// Lane 0 publishes v after the warp's stores.
-PYEP_DEVICE void warp_flag(u64* word, u64 v) {
-    __syncwarp();
-    if (lane_id() == 0) {
-        fence_acq_rel_sys();
-        st_release_sys(word, v);
-    }
-    __syncwarp();
-}
-
 // The end of a receive: once every block has finished, the last acknowledges the call to the
 // unmasked peers and counts it received.
 PYEP_DEVICE void finish_recv(const LLParams& p, u32 seq) {
@@ -186,6 +158,9 @@ PYEP_DEVICE float mul_rn(float a, float b) {
 #endif
 }
 
+#ifdef PYEP_EMU
+// e4m3, rounding to nearest even and saturating at 448: the GPU's cvt.rn.satfinite.e4m3x2 (utils.cuh),
+// which the emulator has not.
 PYEP_DEVICE u8 to_e4m3(float f) {
     const u32 b = __float_as_uint(f), u = b & 0x7fffffffu;
     const u8 sign = static_cast<u8>((b >> 24) & 0x80u);
@@ -203,6 +178,7 @@ PYEP_DEVICE u8 to_e4m3(float f) {
     if (rest > (1u << 19) || (rest == (1u << 19) && (v & 1u))) v++;
     return sign | static_cast<u8>(v);
 }
+#endif
 
 // The factor that maps amax onto e4m3's range, and its inverse (the stored scale).
 PYEP_DEVICE void fp8_scales(float amax, float& scale, float& inv) {
@@ -219,61 +195,107 @@ PYEP_DEVICE void fp8_scales(float amax, float& scale, float& inv) {
     }
 }
 
-// One warp writes token t of x as a dispatch message at msg.
-PYEP_DEVICE void put_message(const LLParams& p, u8* msg, int t) {
-    const int lane = lane_id();
-    if (lane == 0) *reinterpret_cast<i32*>(msg) = t;
-    const u16* row = reinterpret_cast<const u16*>(p.x) + static_cast<i64>(t) * kHidden;
-    if (!kFP8) {
-        warp_copy<int4, kCopyUnroll, false>(reinterpret_cast<int4*>(msg + kMsgHeader), reinterpret_cast<const int4*>(row),
-                                            kHidden / 8, lane);
-        return;
-    }
-    // 16 lanes a scale block: in chunk c0 of 256 channels, lane handles 8 channels of its block
-    // 2 c0 + lane / 16. The loads of kCastBatch chunks go out before their casts and stores.
-    u8* q = msg + kMsgHeader;
-    float* scales = reinterpret_cast<float*>(msg + kMsgHeader + kHidden);
-    constexpr int kChunks = (kHidden + 255) / 256, kCastBatch = 4;
-    for (int b0 = 0; b0 < kChunks; b0 += kCastBatch) {
-        int4 in[kCastBatch];
-#pragma unroll
-        for (int b = 0; b < kCastBatch; b++)
-            if (b0 + b < kChunks && (b0 + b) * 256 + lane * 8 < kHidden)
-                in[b] = ld_nc(reinterpret_cast<const int4*>(row + (b0 + b) * 256 + lane * 8));
-#pragma unroll
-        for (int b = 0; b < kCastBatch; b++) {
-            if (b0 + b >= kChunks) break;
-            const int c = (b0 + b) * 256 + lane * 8;
-            const bool on = c < kHidden;
-            u16 v[8];
-            float amax = 1e-4f;
-            if (on) {
-                const int4 w = in[b];
-                const u32 words[4] = {static_cast<u32>(w.x), static_cast<u32>(w.y), static_cast<u32>(w.z), static_cast<u32>(w.w)};
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    v[2 * k] = static_cast<u16>(words[k] & 0xffffu);
-                    v[2 * k + 1] = static_cast<u16>(words[k] >> 16);
-                }
-#pragma unroll
-                for (int k = 0; k < 8; k++) amax = fmaxf(amax, fabsf(bf16_to_float(v[k])));
-            }
-#pragma unroll
-            for (int m = 1; m < 16; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-            if (!on) continue;
-            float scale, inv;
-            fp8_scales(amax, scale, inv);
-            u32 lo = 0, hi = 0;
-#pragma unroll
-            for (int k = 0; k < 4; k++) lo |= static_cast<u32>(to_e4m3(mul_rn(bf16_to_float(v[k]), scale))) << (8 * k);
-#pragma unroll
-            for (int k = 0; k < 4; k++) hi |= static_cast<u32>(to_e4m3(mul_rn(bf16_to_float(v[4 + k]), scale))) << (8 * k);
-            int2 packed;
-            packed.x = static_cast<int>(lo);
-            packed.y = static_cast<int>(hi);
-            st_na(reinterpret_cast<int2*>(q + c), packed);
-            if (lane % 16 == 0) scales[c / kScaleBlock] = inv;
+// Where the phases below split their work: every block takes whole units (an expert, an
+// (expert, rank) pair), and the threads of a block share the unit's rows, so that a unit of a few
+// rows costs about one memory round trip rather than one per row. Every load of a round is issued
+// before its first use (asm volatile loads keep program order, so a load used at once would wait
+// its full latency before the next is issued).
+constexpr int kChunk = 256;  // channels a warp moves per step: 8 per lane (16 B of BF16)
+constexpr int kChunks = (kHidden + kChunk - 1) / kChunk;
+constexpr int kCastBatch = 8;  // chunks a warp has in flight when it casts or packs messages
+constexpr int kRowUnroll = 4;  // vectors a thread has in flight when a block copies rows (copy.cuh)
+
+// Thread 0 decides whether the block may write into peer dst's half this call (dst unmasked and
+// its acknowledgement of the previous call on the half arrived); every thread learns it.
+PYEP_DEVICE bool block_may_send(const LLParams& p, int dst, u32 seq) {
+    PYEP_SHARED(i32, s_may_send, 1);
+    __syncthreads();  // the previous unit's readers are done with s_may_send
+    if (threadIdx.x == 0) {
+        bool ok = !masked(p, dst);
+        if (ok && dst != p.rank && seq > 1) {
+            const u64* ack = reinterpret_cast<const u64*>(local(p) + p.off_ack) + p.half * p.num_ranks + dst;
+            u64 spent;
+            ok = thread_wait(p, dst, kWaitAck, [&] { return ld_acquire_sys(ack) >= seq - 1; }, spent);
         }
+        s_may_send[0] = ok ? 1 : 0;
+    }
+    __syncthreads();
+    return s_may_send[0] != 0;
+}
+
+// Thread 0 publishes v at word once every thread of the block has made its stores.
+PYEP_DEVICE void block_flag(u64* word, u64 v) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        fence_acq_rel_sys();
+        st_release_sys(word, v);
+    }
+}
+
+// e4m3 of eight floats, packed in channel order.
+PYEP_DEVICE int2 pack_e4m3(const float (&f)[8]) {
+    u32 w[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+#ifdef PYEP_EMU
+        w[h] = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) w[h] |= static_cast<u32>(to_e4m3(f[4 * h + k])) << (8 * k);
+#else
+        w[h] = static_cast<u32>(float2_to_e4m3x2(f[4 * h], f[4 * h + 1])) |
+               static_cast<u32>(float2_to_e4m3x2(f[4 * h + 2], f[4 * h + 3])) << 16;
+#endif
+    }
+    int2 out;
+    out.x = static_cast<int>(w[0]);
+    out.y = static_cast<int>(w[1]);
+    return out;
+}
+
+// One warp writes its items [it0, it0 + kCastBatch) of n messages: item it is chunk it % kChunks of
+// the message of token tok[it / kChunks], at slots + (first + it / kChunks) messages. Lane l moves
+// channels chunk * 256 + 8 l; with FP8, 16 lanes share a scale block.
+PYEP_DEVICE void put_chunks(const LLParams& p, const i32* tok, int n, int it0, u8* slots, u32 first) {
+    const int lane = lane_id(), items = n * kChunks;
+    const u16* x = reinterpret_cast<const u16*>(p.x);
+    int4 in[kCastBatch] = {};
+#pragma unroll
+    for (int b = 0; b < kCastBatch; b++) {
+        const int it = it0 + b, c = (it % kChunks) * kChunk + lane * 8;
+        if (it < items && c < kHidden) in[b] = ld_nc(reinterpret_cast<const int4*>(x + static_cast<i64>(tok[it / kChunks]) * kHidden + c));
+    }
+#pragma unroll
+    for (int b = 0; b < kCastBatch; b++) {
+        const int it = it0 + b;
+        if (it >= items) break;  // warp-uniform
+        const int m = it / kChunks, ch = it % kChunks, c = ch * kChunk + lane * 8;
+        const bool on = c < kHidden;
+        u8* msg = slots + static_cast<u64>(first + m) * p.msg_bytes;
+        if (ch == 0 && lane == 0) *reinterpret_cast<i32*>(msg) = tok[m];
+        if (!kFP8) {
+            if (on) st_na(reinterpret_cast<int4*>(msg + kMsgHeader + 2 * c), in[b]);
+            continue;
+        }
+        float f[8];
+        float amax = 1e-4f;
+        const u32 words[4] = {static_cast<u32>(in[b].x), static_cast<u32>(in[b].y), static_cast<u32>(in[b].z), static_cast<u32>(in[b].w)};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            f[2 * k] = bf16_to_float(static_cast<u16>(words[k] & 0xffffu));
+            f[2 * k + 1] = bf16_to_float(static_cast<u16>(words[k] >> 16));
+        }
+        if (on)
+#pragma unroll
+            for (int k = 0; k < 8; k++) amax = fmaxf(amax, fabsf(f[k]));
+#pragma unroll
+        for (int m2 = 1; m2 < 16; m2 <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m2));
+        if (!on) continue;
+        float scale, inv;
+        fp8_scales(amax, scale, inv);
+#pragma unroll
+        for (int k = 0; k < 8; k++) f[k] = mul_rn(f[k], scale);
+        st_na(reinterpret_cast<int2*>(msg + kMsgHeader + c), pack_e4m3(f));
+        if (lane % 16 == 0) reinterpret_cast<float*>(msg + kMsgHeader + kHidden)[c / kScaleBlock] = inv;
     }
 }
 
@@ -282,100 +304,120 @@ PYEP_DEVICE void put_message(const LLParams& p, u8* msg, int t) {
 constexpr bool kUE8M0 = PYEP_LL_UE8M0 != 0;
 constexpr int kScales = kHidden / kScaleBlock;
 
-// Send: warp-owned experts. The warp of expert g (on rank g / L) writes, in token order, every
-// token that selected g into slots 0, 1, ... of (g % L, this rank) at that rank, then the flag.
+// Send: a block an expert. The block of expert g (on rank g / L) lists, kThreads tokens at a time
+// and in token order, the tokens that selected g, writes their messages into slots 0, 1, ... of
+// (g % L, this rank) at that rank (its warps share the chunks), then the flag seq << 32 | count.
 PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
-    const int lane = lane_id(), R = p.num_ranks, E = p.num_experts, L = E / R, T = p.num_tokens;
-    const int gw = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32;
-    const int nw = static_cast<int>(gridDim.x) * kWarps;
+    PYEP_SHARED(i32, s_tok, kThreads);
+    PYEP_SHARED(i32, s_warp, kWarps);
+    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32, R = p.num_ranks, E = p.num_experts, L = E / R,
+              T = p.num_tokens;
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
-    for (int g = gw; g < E; g += nw) {
+    for (int g = static_cast<int>(blockIdx.x); g < E; g += static_cast<int>(gridDim.x)) {
         const int dst = g / L, j = g % L;
-        if (masked(p, dst) || !await_ack(p, dst, seq)) continue;
+        if (!block_may_send(p, dst, seq)) continue;
         u8* slots = region(p, dst) + p.off_recv + (static_cast<u64>(j) * R + p.rank) * p.max_tokens * p.msg_bytes;
         u32 n = 0;
-        for (int t0 = 0; t0 < T; t0 += 32) {
-            const int t = t0 + lane;
+        for (int t0 = 0; t0 < T; t0 += kThreads) {
+            const int t = t0 + static_cast<int>(threadIdx.x);
             bool sel = false;
-            if (t < T)
+            if (t < T) {
+                i64 e[kTopk];
 #pragma unroll
-                for (int k = 0; k < kTopk; k++) sel |= ld_nc(idx + static_cast<i64>(t) * kTopk + k) == g;
-            u32 m = __ballot_sync(0xffffffffu, sel);
-            while (m != 0) {
-                const int b = __ffs(m) - 1;
-                m &= m - 1;
-                put_message(p, slots + static_cast<u64>(n) * p.msg_bytes, t0 + b);
-                n++;
+                for (int k = 0; k < kTopk; k++) e[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
+#pragma unroll
+                for (int k = 0; k < kTopk; k++) sel |= e[k] == g;
             }
+            const u32 ballot = __ballot_sync(0xffffffffu, sel);
+            __syncthreads();  // the previous round's readers are done with s_warp and s_tok
+            if (lane == 0) s_warp[warp] = __popc(ballot);
+            __syncthreads();
+            int before = 0, count = 0;
+            for (int w = 0; w < kWarps; w++) {
+                const int c = s_warp[w];
+                if (w < warp) before += c;
+                count += c;
+            }
+            if (sel) s_tok[before + __popc(ballot & ((1u << lane) - 1u))] = t;
+            __syncthreads();
+            for (int it0 = warp * kCastBatch; it0 < count * kChunks; it0 += kWarps * kCastBatch)
+                put_chunks(p, s_tok, count, it0, slots, n);
+            n += static_cast<u32>(count);
         }
-        warp_flag(reinterpret_cast<u64*>(region(p, dst) + p.off_dflags) + j * R + p.rank, static_cast<u64>(seq) << 32 | n);
+        block_flag(reinterpret_cast<u64*>(region(p, dst) + p.off_dflags) + j * R + p.rank, static_cast<u64>(seq) << 32 | n);
     }
 }
 
-// Receive: the warp of (local expert j, source s) waits for the flags of s and of the sources
-// before it (its rows follow theirs), then unpacks its rows.
+// Receive: a block a pair (local expert j, source s). Warp 0 waits for the flags of s and of the
+// sources before it (its rows follow theirs); then the block unpacks the pair's rows.
 PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
+    PYEP_SHARED(i64, s_range, 2);
     const int lane = lane_id(), R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens;
+    const int tid = static_cast<int>(threadIdx.x);
     const i64 RM = static_cast<i64>(R) * M;
-    const int gw = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32;
-    const int nw = static_cast<int>(gridDim.x) * kWarps;
     const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_dflags);
-    for (int pair = gw; pair < L * R; pair += nw) {
+    for (int pair = static_cast<int>(blockIdx.x); pair < L * R; pair += static_cast<int>(gridDim.x)) {
         const int j = pair / R, s = pair % R;
-        // Lane r learns the count of source r (0 when masked or timed out); a source's wait is
-        // charged to it.
-        i64 begin = 0, n = 0;
-        for (int r0 = 0; r0 <= s; r0 += 32) {
-            const int r = r0 + lane;
-            i64 c = 0;
-            if (r <= s && !masked(p, r)) {
-                const u64* f = flags + j * R + r;
-                u64 v = 0, spent;
-                if (thread_wait(p, r, kWaitDispatch, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; },
-                                spent))
-                    c = static_cast<u32>(v);
-                if (r == s && p.wait_stats != 0)
-                    atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s, static_cast<unsigned long long>(spent));
+        __syncthreads();  // the previous pair's readers are done with s_range
+        if (tid < 32) {
+            // Lane r learns the count of source r (0 when masked or timed out); a source's wait is
+            // charged to it.
+            i64 begin = 0, n = 0;
+            for (int r0 = 0; r0 <= s; r0 += 32) {
+                const int r = r0 + lane;
+                i64 c = 0;
+                if (r <= s && !masked(p, r)) {
+                    const u64* f = flags + j * R + r;
+                    u64 v = 0, spent;
+                    if (thread_wait(p, r, kWaitDispatch, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; },
+                                    spent))
+                        c = static_cast<u32>(v);
+                    if (r == s && p.wait_stats != 0)
+                        atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s, static_cast<unsigned long long>(spent));
+                }
+                if (r < s) begin += c;
+                if (r == s) n = c;
             }
-            if (r < s) begin += c;
-            if (r == s) n = c;
+            begin = warp_sum(begin);
+            n = warp_sum(n);
+            if (lane == 0) {
+                s_range[0] = begin;
+                s_range[1] = n;
+            }
         }
-        begin = warp_sum(begin);
-        n = warp_sum(n);
-        __syncwarp();
+        __syncthreads();
+        const i64 begin = s_range[0], n = s_range[1] < M ? s_range[1] : M;
         const u8* slots = local(p) + p.off_recv + (static_cast<u64>(j) * R + s) * M * p.msg_bytes;
-        for (i64 i = 0; i < n && i < M; i++) {
-            const u8* msg = slots + i * p.msg_bytes;
-            const i64 row = j * RM + begin + i;
-            if (lane == 0) reinterpret_cast<i32*>(p.src_info)[row] = ld_ring(reinterpret_cast<const i32*>(msg));
-            constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
-            warp_copy<int4, kCopyUnroll, true>(reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + row * kRowBytes),
-                                               reinterpret_cast<const int4*>(msg + kMsgHeader), kRowBytes / 16, lane);
-            if (kFP8) {
-                const float* sc = reinterpret_cast<const float*>(msg + kMsgHeader + kHidden);
+        const i64 first = j * RM + begin;
+        constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
+        block_copy_rows<int4, kRowUnroll, true, kRowBytes / 16>(
+            static_cast<int>(n), [&](int i) { return reinterpret_cast<const int4*>(slots + i * p.msg_bytes + kMsgHeader); },
+            [&](int i) { return reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + (first + i) * kRowBytes); });
+        for (int i = tid; i < n; i += kThreads)
+            reinterpret_cast<i32*>(p.src_info)[first + i] = ld_ring(reinterpret_cast<const i32*>(slots + i * p.msg_bytes));
+        if (kFP8 && n > 0) {
+            // Token fastest, so that the column-major scales are written in runs.
+            constexpr int kCols = kUE8M0 ? (kScales + 3) / 4 : kScales;
+            for (int q = tid; q < n * kCols; q += kThreads) {
+                const int i = static_cast<int>(q % n), w = static_cast<int>(q / n);
+                const float* sc = reinterpret_cast<const float*>(slots + i * p.msg_bytes + kMsgHeader + kHidden);
                 if (kUE8M0) {
-                    constexpr int kWords = (kScales + 3) / 4;
-                    for (int w = lane; w < kWords; w += 32) {
-                        u32 word = 0;
-                        for (int b = 0; b < 4 && 4 * w + b < kScales; b++)
-                            word |= ((__float_as_uint(ld_ring(sc + 4 * w + b)) >> 23) & 0xffu) << (8 * b);
-                        reinterpret_cast<u32*>(p.recv_scales)[(static_cast<i64>(j) * kWords + w) * RM + begin + i] = word;
-                    }
+                    u32 word = 0;
+                    for (int b = 0; b < 4 && 4 * w + b < kScales; b++)
+                        word |= ((__float_as_uint(ld_ring(sc + 4 * w + b)) >> 23) & 0xffu) << (8 * b);
+                    reinterpret_cast<u32*>(p.recv_scales)[(static_cast<i64>(j) * kCols + w) * RM + begin + i] = word;
                 } else {
-                    for (int w = lane; w < kScales; w += 32)
-                        reinterpret_cast<float*>(p.recv_scales)[(static_cast<i64>(j) * kScales + w) * RM + begin + i] =
-                            ld_ring(sc + w);
+                    reinterpret_cast<float*>(p.recv_scales)[(static_cast<i64>(j) * kCols + w) * RM + begin + i] = ld_ring(sc + w);
                 }
             }
         }
-        if (lane == 0) {
+        if (tid == 0) {
             reinterpret_cast<i64*>(p.layout_range)[j * R + s] = begin << 32 | n;
             if (s == R - 1) {
                 reinterpret_cast<i32*>(p.count)[j] = static_cast<i32>(begin + n);
                 if (p.cum_stats != 0) atomicAdd(reinterpret_cast<i32*>(p.cum_stats) + j, static_cast<i32>(begin + n));
             }
         }
-        __syncwarp();
     }
 }
 
@@ -395,36 +437,31 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch(const LLParams p) { run_
 
 #if defined(PYEP_LL_COMBINE)
 
-// Send: the warp of (local expert j, destination d) returns j's rows from d, each into the slot
-// (this rank's global expert, token) of d's recv area, then flags it.
+// Send: a block a pair (local expert j, destination d): it returns j's rows from d, each into the
+// slot (this rank's global expert, token) of d's recv area, then flags it.
 PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
-    const int lane = lane_id(), R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens;
+    const int R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens;
     const i64 RM = static_cast<i64>(R) * M;
-    const int gw = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32;
-    const int nw = static_cast<int>(gridDim.x) * kWarps;
     const u16* rows = p.zero_copy ? reinterpret_cast<const u16*>(local(p) + p.off_send) : reinterpret_cast<const u16*>(p.x);
-    for (int pair = gw; pair < L * R; pair += nw) {
+    const i32* src_info = reinterpret_cast<const i32*>(p.src_info);
+    for (int pair = static_cast<int>(blockIdx.x); pair < L * R; pair += static_cast<int>(gridDim.x)) {
         const int j = pair / R, d = pair % R;
-        if (masked(p, d) || !await_ack(p, d, seq)) continue;
+        if (!block_may_send(p, d, seq)) continue;
         const i64 v = reinterpret_cast<const i64*>(p.layout_range)[j * R + d];
-        const i64 begin = v >> 32, n = static_cast<i32>(v & 0xffffffff);
-        const int g = p.rank * L + j;
-        u8* slots = region(p, d) + p.off_recv;
-        for (i64 i = 0; i < n; i++) {
-            const i64 row = j * RM + begin + i;
-            const i32 t = reinterpret_cast<const i32*>(p.src_info)[row];
-            warp_copy<int4, kCopyUnroll, false>(reinterpret_cast<int4*>(slots + (static_cast<u64>(g) * M + t) * (2 * kHidden)),
-                                                reinterpret_cast<const int4*>(rows + row * kHidden), kHidden / 8, lane);
-        }
-        warp_flag(reinterpret_cast<u64*>(region(p, d) + p.off_cflags) + g, static_cast<u64>(seq) << 32 | 1u);
+        const i64 first = j * RM + (v >> 32);
+        const int n = static_cast<i32>(v & 0xffffffff), g = p.rank * L + j;
+        u8* slots = region(p, d) + p.off_recv + static_cast<u64>(g) * M * (2 * kHidden);
+        block_copy_rows<int4, kRowUnroll, false, kHidden / 8>(
+            n, [&](int i) { return reinterpret_cast<const int4*>(rows + (first + i) * kHidden); },
+            [&](int i) { return reinterpret_cast<int4*>(slots + static_cast<u64>(ld_nc(src_info + first + i)) * (2 * kHidden)); });
+        block_flag(reinterpret_cast<u64*>(region(p, d) + p.off_cflags) + g, static_cast<u64>(seq) << 32 | 1u);
     }
 }
 
-// Receive: every block waits for every unmasked expert's flag (a lane each), then a warp a
-// token sums its rows in top-k order.
+// Receive: every block waits for every unmasked expert's flag (a thread each); then each warp of
+// the grid takes (token, chunk) items and sums the chunk's rows in top-k order.
 PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
     const int lane = lane_id(), R = p.num_ranks, E = p.num_experts, L = E / R, M = p.max_tokens;
-    const int warp = static_cast<int>(threadIdx.x) / 32;
     const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_cflags);
     for (int g = static_cast<int>(threadIdx.x); g < E; g += kThreads) {
         const int s = g / L;
@@ -439,35 +476,44 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
     const float* wts = reinterpret_cast<const float*>(p.topk_weights);
     const u8* slots = local(p) + p.off_recv;
-    for (int t = static_cast<int>(blockIdx.x) * kWarps + warp; t < p.num_tokens; t += static_cast<int>(gridDim.x) * kWarps) {
+    const int nw = static_cast<int>(gridDim.x) * kWarps;
+    for (int it = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32; it < p.num_tokens * kChunks;
+         it += nw) {
+        const int t = it / kChunks, c = (it % kChunks) * kChunk + lane * 8;
         i64 g[kTopk];
         float w[kTopk];
+        i32 off[kTopk];
+#pragma unroll
+        for (int k = 0; k < kTopk; k++) g[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
+#pragma unroll
+        for (int k = 0; k < kTopk; k++) w[k] = ld_nc(wts + static_cast<i64>(t) * kTopk + k);
 #pragma unroll
         for (int k = 0; k < kTopk; k++) {
-            g[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
-            w[k] = ld_nc(wts + static_cast<i64>(t) * kTopk + k);
-            if (g[k] >= E || (g[k] >= 0 && masked(p, static_cast<int>(g[k] / L)))) g[k] = -1;
+            if (g[k] >= E) g[k] = -1;
+            off[k] = g[k] >= 0 ? ld_volatile(reinterpret_cast<const i32*>(local(p) + p.off_mask) + g[k] / L) : 1;
         }
-        for (int c = lane * 8; c < kHidden; c += 256) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (c >= kHidden) continue;
+        int4 v[kTopk];
 #pragma unroll
-            for (int k = 0; k < kTopk; k++) {
-                if (g[k] < 0) continue;
-                const int4 v = ld_ring(reinterpret_cast<const int4*>(slots + (static_cast<u64>(g[k]) * M + t) * (2 * kHidden)) + c / 8);
-                const u32 words[4] = {static_cast<u32>(v.x), static_cast<u32>(v.y), static_cast<u32>(v.z), static_cast<u32>(v.w)};
+        for (int k = 0; k < kTopk; k++)
+            if (off[k] == 0) v[k] = ld_ring(reinterpret_cast<const int4*>(slots + (static_cast<u64>(g[k]) * M + t) * (2 * kHidden)) + c / 8);
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    acc[2 * q] += mul_rn(bf16_to_float(static_cast<u16>(words[q] & 0xffffu)), w[k]);
-                    acc[2 * q + 1] += mul_rn(bf16_to_float(static_cast<u16>(words[q] >> 16)), w[k]);
-                }
+        for (int k = 0; k < kTopk; k++) {
+            if (off[k] != 0) continue;
+            const u32 words[4] = {static_cast<u32>(v[k].x), static_cast<u32>(v[k].y), static_cast<u32>(v[k].z), static_cast<u32>(v[k].w)};
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                acc[2 * q] += mul_rn(bf16_to_float(static_cast<u16>(words[q] & 0xffffu)), w[k]);
+                acc[2 * q + 1] += mul_rn(bf16_to_float(static_cast<u16>(words[q] >> 16)), w[k]);
             }
-            int4 o;
-            o.x = static_cast<int>(static_cast<u32>(float_to_bf16(acc[0])) | static_cast<u32>(float_to_bf16(acc[1])) << 16);
-            o.y = static_cast<int>(static_cast<u32>(float_to_bf16(acc[2])) | static_cast<u32>(float_to_bf16(acc[3])) << 16);
-            o.z = static_cast<int>(static_cast<u32>(float_to_bf16(acc[4])) | static_cast<u32>(float_to_bf16(acc[5])) << 16);
-            o.w = static_cast<int>(static_cast<u32>(float_to_bf16(acc[6])) | static_cast<u32>(float_to_bf16(acc[7])) << 16);
-            st_na(reinterpret_cast<int4*>(reinterpret_cast<u16*>(p.out) + static_cast<i64>(t) * kHidden + c), o);
         }
+        int4 o;
+        o.x = static_cast<int>(static_cast<u32>(float_to_bf16(acc[0])) | static_cast<u32>(float_to_bf16(acc[1])) << 16);
+        o.y = static_cast<int>(static_cast<u32>(float_to_bf16(acc[2])) | static_cast<u32>(float_to_bf16(acc[3])) << 16);
+        o.z = static_cast<int>(static_cast<u32>(float_to_bf16(acc[4])) | static_cast<u32>(float_to_bf16(acc[5])) << 16);
+        o.w = static_cast<int>(static_cast<u32>(float_to_bf16(acc[6])) | static_cast<u32>(float_to_bf16(acc[7])) << 16);
+        st_na(reinterpret_cast<int4*>(reinterpret_cast<u16*>(p.out) + static_cast<i64>(t) * kHidden + c), o);
     }
 }
 

@@ -120,6 +120,9 @@ func TestEmulatedLowLatency(t *testing.T) {
 		{R: 2, T: 6, H: 256, K: 3, E: 8, M: 8},
 		{R: 2, T: 6, H: 384, K: 3, E: 8, M: 8, fp8: true},
 		{R: 3, T: 5, H: 256, K: 2, E: 6, M: 6, fp8: true, round: true, ue8m0: true, hook: true},
+		// more tokens than a block has threads (64): the send lists them in two rounds; 640 channels
+		// end in half a chunk and five scales (UE8M0 words of 4 + 1).
+		{R: 2, T: 70, H: 640, K: 4, E: 4, M: 80, fp8: true, round: true, ue8m0: true},
 	} {
 		t.Run(fmt.Sprintf("R%d_H%d_fp8=%v_ue8m0=%v_hook=%v", c.R, c.H, c.fp8, c.ue8m0, c.hook), func(t *testing.T) {
 			runLL(t, c)
