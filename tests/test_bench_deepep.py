@@ -438,7 +438,10 @@ def test_join_shares_gpus(monkeypatch):
 def test_placement_finds_shared_gpus(group, monkeypatch):
     """Collective: a gloo group with PYEP_BACKEND=cuda whose ranks all report one GPU shares it (faked here)."""
     import torch
+    import torch.distributed as dist
     from types import SimpleNamespace
+    if "gloo" not in str(dist.get_backend(group)).lower():
+        group = dist.new_group(backend="gloo")  # the session's group is NCCL where each rank has a GPU
     monkeypatch.setenv("PYEP_BACKEND", "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -136,12 +136,19 @@ class LowLatencyMixin:
             # Every rank's kernels are done before any rank zeroes its flags, and every rank has zeroed them before
             # any rank's next call writes to it (the cpu engine passes these barriers in the shared buffers).
             torch.cuda.synchronize(self._device)
-            dist.barrier(self.group)
+            self._barrier()
             _core.call("LowLatencyClean", bid, *sizes)
-            dist.barrier(self.group)
+            self._barrier()
         else:
             _core.call("LowLatencyClean", bid, *sizes)
         self._ll_report("clean_low_latency_buffer")
+
+    def _barrier(self) -> None:
+        """A barrier of the group; an NCCL group's names this rank's GPU (torch warns when it has to guess)."""
+        if "nccl" in str(dist.get_backend(self.group)).lower():
+            dist.barrier(self.group, device_ids=[self._device.index])
+        else:
+            dist.barrier(self.group)
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
