@@ -14,9 +14,9 @@ import (
 
 // The low-latency mode of a Buffer. On one node, every rank's RDMA buffer (num_rdma_bytes) is
 // shared with its peers as the NVLink buffer is (Backend.Allocate and Open, its token in the
-// rank's IPC handle, opened by Sync), and goep/lowlatency runs the calls over those regions.
-// So far only the cpu backend shares it: on cuda the RDMA buffer stays the rank's own until the
-// low-latency kernels exist, and the Python layer raises NotAvailableError for the calls there.
+// rank's IPC handle, opened by Sync), and goep/lowlatency runs the calls over those regions; on
+// a device, the engine that Params.Engines (or the backend) makes at Sync runs them instead
+// (low_latency_device.go).
 
 // lowLatency is a Buffer's low-latency engine and the regions it runs over.
 type lowLatency struct {

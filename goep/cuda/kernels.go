@@ -25,8 +25,8 @@ type NormalOptions struct {
 	// Block sizes of dispatch/combine, notify and layout; 0: 768 (PYEP_NORMAL_THREADS, a
 	// multiple of 32 up to 1024, read at start-up, overrides it), 1024, 512.
 	Threads, NotifyThreads, LayoutThreads int
-	// Low-latency mode's block size (0: 512) and blocks (0: one an SM, at most 32, shared among
-	// the ranks on the GPU).
+	// Low-latency mode's block size (0: 512) and blocks (0: one an SM, shared among the ranks on
+	// the GPU).
 	LowLatencyThreads, LowLatencyBlocks int
 }
 
