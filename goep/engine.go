@@ -3,6 +3,7 @@ package goep
 import (
 	"errors"
 	"fmt"
+	"unsafe"
 )
 
 // A Buffer runs each mode through an engine of its own, made on first use and closed by Destroy
@@ -20,11 +21,15 @@ type EngineEnv struct {
 }
 
 // Engines are the makers of a buffer's engines, one per mode, for an engine that lives outside
-// its backend's package (a per-mode package that imports the backend): the composition root
-// (goep/api) sets them in Params. A nil maker falls back to the backend's own (NormalEngines).
-// Low-latency and internode makers join Normal here.
+// its backend's package (a per-mode package that imports the backend, as goep/cuda/normal and
+// goep/cuda/lowlatency do): the composition root (goep/api) sets them in Params. A nil maker
+// falls back to the backend's own (NormalEngines, LowLatencyEngines). An internode maker joins
+// them here.
 type Engines struct {
 	Normal func(EngineEnv) (NormalEngine, error)
+	// LowLatency makes the device engine of a low-latency buffer at Sync, for rank env.Topo.Rank,
+	// with the arguments of LowLatencyEngines.NewLowLatencyEngine.
+	LowLatency func(env EngineEnv, regions []unsafe.Pointer, numBytes int64, tokens [][]byte) (DeviceLowLatency, error)
 }
 
 // Engine is what every mode's engine has: Close releases what it holds, once the work it

@@ -14,9 +14,9 @@ import (
 
 // The low-latency mode of a Buffer. On one node, every rank's RDMA buffer (num_rdma_bytes) is
 // shared with its peers as the NVLink buffer is (Backend.Allocate and Open, its token in the
-// rank's IPC handle, opened by Sync), and goep/lowlatency runs the calls over those regions.
-// So far only the cpu backend shares it: on cuda the RDMA buffer stays the rank's own until the
-// low-latency kernels exist, and the Python layer raises NotAvailableError for the calls there.
+// rank's IPC handle, opened by Sync), and goep/lowlatency runs the calls over those regions; on
+// a device, the engine that Params.Engines (or the backend) makes at Sync runs them instead
+// (low_latency_device.go).
 
 // lowLatency is a Buffer's low-latency engine and the regions it runs over.
 type lowLatency struct {
@@ -102,13 +102,14 @@ func (b *Buffer) openLowLatency(handles [][]byte) error {
 		}
 		regions[r] = ll.peers[r].Data()
 	}
-	if maker, ok := b.backend.(LowLatencyEngines); ok {
+	if maker := b.lowLatencyMaker(); maker != nil {
 		tokens := make([][]byte, t.NumRanks)
 		for r := range tokens {
 			tokens[r] = decoded[r].RDMAToken
 		}
 		tokens[t.Rank] = ll.local.Token()
-		d, err := maker.NewLowLatencyEngine(t.Rank, regions, b.params.NumRDMABytes, tokens)
+		env := EngineEnv{Backend: b.backend, Topo: t, NumNVLBytes: b.params.NumNVLBytes}
+		d, err := maker(env, regions, b.params.NumRDMABytes, tokens)
 		if err != nil {
 			return err
 		}
@@ -116,10 +117,30 @@ func (b *Buffer) openLowLatency(handles [][]byte) error {
 		ll.device = d
 		return nil
 	}
+	if b.backend.DeviceID() >= 0 {
+		// Device memory and no device engine (Params.Engines names none): the host cannot run
+		// goep/lowlatency over it, so the calls report that the mode is not available.
+		return nil
+	}
 	e, err := lowlatency.NewEngine(lowlatency.Domain{Rank: t.Rank, NumRanks: t.NumRanks, Regions: regions,
 		NumBytes: b.params.NumRDMABytes, Timeout: ll.timeout, Shrink: b.params.EnableShrink})
 	ll.engine = e
 	return err
+}
+
+// lowLatencyMaker is what makes the buffer's device engine: Params.Engines' maker, else the
+// backend's own (LowLatencyEngines); nil where neither is (on host memory goep runs
+// goep/lowlatency itself).
+func (b *Buffer) lowLatencyMaker() func(EngineEnv, []unsafe.Pointer, int64, [][]byte) (DeviceLowLatency, error) {
+	if maker := b.params.Engines.LowLatency; maker != nil {
+		return maker
+	}
+	if be, ok := b.backend.(LowLatencyEngines); ok {
+		return func(env EngineEnv, regions []unsafe.Pointer, numBytes int64, tokens [][]byte) (DeviceLowLatency, error) {
+			return be.NewLowLatencyEngine(env.Topo.Rank, regions, numBytes, tokens)
+		}
+	}
+	return nil
 }
 
 // closeLowLatencyPeers unmaps the peers' low-latency regions (the local one is b.rdma).

@@ -14,6 +14,8 @@ import (
 	"github.com/pyep/pyep/goep"
 	"github.com/pyep/pyep/goep/cpu"
 	"github.com/pyep/pyep/goep/cuda"
+	cudall "github.com/pyep/pyep/goep/cuda/lowlatency"
+	cudanormal "github.com/pyep/pyep/goep/cuda/normal"
 	"github.com/pyep/pyep/goep/jit"
 )
 
@@ -23,36 +25,54 @@ var registry struct {
 	buffers map[int64]*goep.Buffer
 }
 
+// cudaEngines are the cuda backend's engines, one package per mode beside goep/cuda (which
+// knows none of them): every buffer on a GPU gets them through goep.Params.Engines.
+var cudaEngines = goep.Engines{Normal: cudanormal.NewEngine, LowLatency: cudall.NewEngine}
+
 // Backend is the backend named "cpu", or "cuda:N" for device ordinal N (plain "cuda" is device
 // 0). Every Buffer on a GPU shares the process's Backend of that GPU (its primary context, its
 // communication stream and its compiled kernels).
 func Backend(name string) (goep.Backend, error) {
+	be, _, err := backend(name)
+	return be, err
+}
+
+// backend is the backend named name and the makers of its buffers' engines that live outside
+// it (the cpu backend makes its own).
+func backend(name string) (goep.Backend, goep.Engines, error) {
 	switch {
 	case name == "cpu":
-		return cpu.Backend{}, nil
+		return cpu.Backend{}, goep.Engines{}, nil
 	case name == "cuda" || strings.HasPrefix(name, "cuda:"):
 		ordinal := 0
 		if s, ok := strings.CutPrefix(name, "cuda:"); ok {
 			n, err := strconv.Atoi(s)
 			if err != nil || n < 0 {
-				return nil, goep.Argf("backend %q: expected \"cuda:N\" with N a device ordinal", name)
+				return nil, goep.Engines{}, goep.Argf("backend %q: expected \"cuda:N\" with N a device ordinal", name)
 			}
 			ordinal = n
 		}
 		be, err := cuda.SharedBackend(ordinal)
 		if err != nil {
-			return nil, err
+			return nil, goep.Engines{}, err
 		}
-		return be, nil
+		return be, cudaEngines, nil
 	}
-	return nil, goep.Argf("backend %q: expected \"cpu\" or \"cuda:N\"", name)
+	return nil, goep.Engines{}, goep.Argf("backend %q: expected \"cpu\" or \"cuda:N\"", name)
 }
 
-// NewBuffer allocates a Buffer on the named backend and returns its id.
-func NewBuffer(backend string, p goep.Params) (int64, error) {
-	be, err := Backend(backend)
+// NewBuffer allocates a Buffer on the named backend, with the backend's engines where p names
+// none, and returns its id.
+func NewBuffer(name string, p goep.Params) (int64, error) {
+	be, engines, err := backend(name)
 	if err != nil {
 		return 0, err
+	}
+	if p.Engines.Normal == nil {
+		p.Engines.Normal = engines.Normal
+	}
+	if p.Engines.LowLatency == nil {
+		p.Engines.LowLatency = engines.LowLatency
 	}
 	b, err := goep.NewBuffer(p, be)
 	if err != nil {

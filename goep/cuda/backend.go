@@ -233,11 +233,21 @@ func (b *Backend) Close() error {
 	if err != nil {
 		return err
 	}
-	if err := b.syncDevice(b.timeout); err != nil {
+	if err := b.SyncDevice(b.timeout); err != nil {
 		return fmt.Errorf("pyep: closing the cuda backend: %w", err)
 	}
 	errs = append(errs, b.release()...)
 	return errors.Join(errs...)
+}
+
+// BackendOf is the Backend that a buffer's engine is made for (goep.EngineEnv's): the
+// engines of goep/cuda/normal and goep/cuda/lowlatency run on a cuda Backend only.
+func BackendOf(be goep.Backend) (*Backend, error) {
+	b, ok := be.(*Backend)
+	if !ok || b == nil {
+		return nil, fmt.Errorf("pyep: a cuda engine needs a cuda backend, not %T", be)
+	}
+	return b, nil
 }
 
 // Name implements goep.Backend.
@@ -271,6 +281,23 @@ func (b *Backend) Enter() (exit func(), err error) {
 		return func() {}, err
 	}
 	return runtime.UnlockOSThread, nil
+}
+
+// HostAlloc allocates n bytes of zeroed, device-mapped host memory (an engine's records that
+// its kernels write and the host polls): the host's pointer and the device's address. Free it
+// with Driver().MemFreeHost; the context must be current.
+func (b *Backend) HostAlloc(n int) (unsafe.Pointer, driver.DevicePtr, error) {
+	p, err := b.drv.MemHostAlloc(n, driver.HostAllocPortable|driver.HostAllocDeviceMap)
+	if err != nil {
+		return nil, 0, err
+	}
+	d, err := b.drv.MemHostGetDevicePointer(p)
+	if err != nil {
+		_ = b.drv.MemFreeHost(p)
+		return nil, 0, err
+	}
+	clear(unsafe.Slice((*byte)(p), n))
+	return p, d, nil
 }
 
 // PtrOf is the device address behind a Region's Control() or Data().
@@ -351,10 +378,10 @@ type syncCall struct {
 	err  error
 }
 
-// syncDevice waits up to timeout for all the GPU's work in the context (cuCtxSynchronize).
+// SyncDevice waits up to timeout for all the GPU's work in the context (cuCtxSynchronize).
 // The synchronisation runs in a goroutine of its own, so a stuck kernel costs a blocked
 // thread, not a hang; later calls join the one in flight.
-func (b *Backend) syncDevice(timeout time.Duration) error {
+func (b *Backend) SyncDevice(timeout time.Duration) error {
 	b.syncMu.Lock()
 	c := b.syncing
 	if c == nil {

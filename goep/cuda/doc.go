@@ -5,10 +5,15 @@
 // communication stream and StreamWait (stream.go). SharedBackend is the one per GPU and process
 // that goep/api hands out.
 //
-// The backend is memory and the device; the normal-mode engine of each buffer (normal_engine.go,
-// made by NewNormalEngine for goep.Buffer) runs normal mode's kernels (kernels/layout.cu,
-// kernels/intranode.cu, with kernels/params.h shared with normal_abi.go), compiled by goep/jit
-// for the GPU and the call's shape and kept per device (normal_kernels.go), launched on the
-// communication stream. goep/cuda/emu runs the same kernels on the host under the fake driver,
-// so the engine and the kernels are tested without a GPU.
+// The backend is memory and the device; it runs no mode (of the modes it knows only their
+// kernels' files and symbols, and their block sizes). Each mode's engine is a package of its
+// own that imports this one (goep/cuda/normal, goep/cuda/lowlatency), made for a buffer through
+// goep.Params.Engines, which the composition root (goep/api) sets. What the engines use
+// of the backend is exported for them: Enter (the context current on the OS thread), Driver and
+// Device, the communication stream (CommStream, StreamWaitEntered, StampLaunch), HostAlloc
+// (host-mapped records), SyncDevice, PtrOf (peers' regions as device addresses), RanksOnDevice,
+// and the device's compiled kernels (kernels.go: Kernel by KernelKey, compiled by goep/jit for
+// the GPU and the call's shape on a miss, shared by every buffer's engines; NormalOptions).
+// goep/cuda/emu runs the same kernels on the host under the fake driver, so the engines and the
+// kernels are tested without a GPU.
 package cuda

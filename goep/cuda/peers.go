@@ -191,7 +191,7 @@ func (r *peerRegion) Close() error {
 	}
 	r.closed = true
 	b.mu.Unlock()
-	if err := b.syncDevice(b.timeout); err != nil {
+	if err := b.SyncDevice(b.timeout); err != nil {
 		return fmt.Errorf("pyep: cuda: unmapping a peer's buffer: %w; the mapping is kept", err)
 	}
 	exit, err := b.Enter()
@@ -225,7 +225,7 @@ func (r *rdmaRegion) Close() error {
 		return nil
 	}
 	r.closed = true
-	if err := r.b.syncDevice(r.b.timeout); err != nil {
+	if err := r.b.SyncDevice(r.b.timeout); err != nil {
 		return fmt.Errorf("pyep: cuda: freeing the RDMA buffer: %w; its memory is kept", err)
 	}
 	exit, err := r.b.Enter()

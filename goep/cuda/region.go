@@ -158,7 +158,7 @@ func (l *localRegion) Close() error {
 	b.mu.Unlock()
 	// No peer opens a closed buffer: its descriptor is served no longer.
 	unshareErr := l.unshare()
-	if err := b.syncDevice(b.timeout); err != nil {
+	if err := b.SyncDevice(b.timeout); err != nil {
 		b.defer_(l)
 		return fmt.Errorf("pyep: cuda: freeing this rank's buffer: %w; its memory is kept", err)
 	}
@@ -262,7 +262,7 @@ func (b *Backend) sweep(final bool) error {
 		wait = b.timeout
 	}
 	for _, l := range pending {
-		if err := b.syncDevice(max(wait, time.Millisecond)); err != nil {
+		if err := b.SyncDevice(max(wait, time.Millisecond)); err != nil {
 			keep = append(keep, l)
 			continue
 		}

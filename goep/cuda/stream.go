@@ -22,6 +22,9 @@ func (b *Backend) CommStreamHandle() uintptr { return b.comm.Raw() }
 // launch (0 before the first): where a call's host time ends, for pyep.bench.
 func (b *Backend) LastLaunchNS() int64 { return b.lastLaunch.Load() }
 
+// StampLaunch records that an engine just launched a kernel (LastLaunchNS).
+func (b *Backend) StampLaunch() { b.lastLaunch.Store(driver.MonotonicNS()) }
+
 // WrapStream wraps a raw CUstream of this GPU that someone else owns, e.g. PyTorch's current
 // stream as Python passes it (torch.cuda.current_stream().cuda_stream); 0 is the legacy
 // default stream. Never Destroy it.
@@ -40,11 +43,12 @@ func (b *Backend) StreamWait(waiter, on driver.Stream) error {
 	if err != nil {
 		return err
 	}
-	return b.streamWait(waiter, on)
+	return b.StreamWaitEntered(waiter, on)
 }
 
-// streamWait is StreamWait in the backend's context.
-func (b *Backend) streamWait(waiter, on driver.Stream) error {
+// StreamWaitEntered is StreamWait for a caller that has entered the backend's context (Enter):
+// it costs no context switch of its own.
+func (b *Backend) StreamWaitEntered(waiter, on driver.Stream) error {
 	if waiter == on {
 		return nil
 	}

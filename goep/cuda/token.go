@@ -144,3 +144,14 @@ func hostID() string {
 	name, _ := os.Hostname()
 	return "host:" + name
 }
+
+// RanksOnDevice counts the tokens (every rank's, from Sync's handles) of buffers on this GPU.
+func (b *Backend) RanksOnDevice(tokens [][]byte) int {
+	n := 0
+	for _, raw := range tokens {
+		if t, err := decodeToken(raw); err == nil && t.BusID == b.busID {
+			n++
+		}
+	}
+	return n
+}

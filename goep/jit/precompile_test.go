@@ -9,7 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/pyep/pyep/goep/cuda"
+	cudanormal "github.com/pyep/pyep/goep/cuda/normal"
 	"github.com/pyep/pyep/goep/jit"
 )
 
@@ -45,7 +45,7 @@ func TestPrecompileNormal(t *testing.T) {
 		return 1
 	}
 	const threads = 768
-	add(layout, cuda.LayoutDefines(512))
+	add(layout, cudanormal.LayoutDefines(512))
 	type shape struct{ hidden, es, scales, topk, combineDT int } // combineDT 0: no combine of this shape
 	var shapes []shape
 	for _, k := range []int{8, 1, 9} {
@@ -64,15 +64,15 @@ func TestPrecompileNormal(t *testing.T) {
 	for _, rs := range ranks {
 		R, err := strconv.Atoi(rs)
 		require.NoError(t, err)
-		add(intranode, cuda.NotifyDefines(R, 1024, threads))
+		add(intranode, cudanormal.NotifyDefines(R, 1024, threads))
 		for _, s := range shapes {
 			hb := s.hidden * s.es
-			add(intranode, cuda.DispatchDefines(R, hb, s.scales, s.topk, vec(hb), threads))
-			add(intranode, cuda.DispatchDefines(R, hb, s.scales, 0, vec(hb), threads))
+			add(intranode, cudanormal.DispatchDefines(R, hb, s.scales, s.topk, vec(hb), threads))
+			add(intranode, cudanormal.DispatchDefines(R, hb, s.scales, 0, vec(hb), threads))
 			if s.combineDT != 0 {
 				ces := map[int]int{1: 2, 2: 2, 3: 4}[s.combineDT]
 				for _, k := range []int{s.topk, 0} {
-					add(intranode, cuda.CombineDefines(R, s.hidden, s.combineDT, k, max(vec(s.hidden*ces), ces), threads))
+					add(intranode, cudanormal.CombineDefines(R, s.hidden, s.combineDT, k, max(vec(s.hidden*ces), ces), threads))
 				}
 			}
 		}

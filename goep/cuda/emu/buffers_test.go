@@ -21,7 +21,7 @@ func addBuffer(t *testing.T, envs []*rankEnv, nvlBytes int64) []*rankEnv {
 	out := make([]*rankEnv, R)
 	handles := make([][]byte, R)
 	for r, e := range envs {
-		buf, err := goep.NewBuffer(goep.Params{Rank: r, NumRanks: R, NumNVLBytes: nvlBytes}, e.be)
+		buf, err := goep.NewBuffer(goep.Params{Rank: r, NumRanks: R, NumNVLBytes: nvlBytes, Engines: engines}, e.be)
 		require.NoError(t, err)
 		handles[r], err = buf.LocalIPCHandle()
 		require.NoError(t, err)

@@ -1,9 +1,9 @@
 //go:build cgo
 
 // Package emu runs pyep's CUDA kernels (kernels/*.cu, compiled as C++ against emu.h) on the
-// host, under goep/cuda's fake driver, so that the normal-mode engine and its kernels are
-// tested end to end on machines without a GPU: every CUDA thread is an OS thread, every fake
-// rank a goroutine with its own Backend.
+// host, under goep/cuda's fake driver, so that the engines (goep/cuda/normal,
+// goep/cuda/lowlatency) and their kernels are tested end to end on machines without a GPU:
+// every CUDA thread is an OS thread, every fake rank a goroutine with its own Backend.
 //
 // The kernels are built when first launched, as on a GPU: goep/jit compiles the embedded
 // source with the engine's defines (any shape) with the host C++ compiler into a shared

@@ -21,12 +21,17 @@ import (
 	"github.com/pyep/pyep/goep/cuda"
 	"github.com/pyep/pyep/goep/cuda/driver/fake"
 	"github.com/pyep/pyep/goep/cuda/emu"
+	cudall "github.com/pyep/pyep/goep/cuda/lowlatency"
+	cudanormal "github.com/pyep/pyep/goep/cuda/normal"
 	"github.com/pyep/pyep/goep/dlpack"
 	"github.com/pyep/pyep/goep/normal"
 )
 
-// The GPU engine (goep/cuda) with its kernels emulated on the host, against goep/normal, the
-// cpu reference: every output bit for bit.
+// The GPU engine (goep/cuda/normal) with its kernels emulated on the host, against goep/normal,
+// the cpu reference: every output bit for bit.
+
+// engines are the cuda backend's engines, as goep/api composes them.
+var engines = goep.Engines{Normal: cudanormal.NewEngine, LowLatency: cudall.NewEngine}
 
 type allLinks struct{}
 
@@ -59,7 +64,7 @@ func newDomainOf(t *testing.T, R int, nvlBytes int64, opts cuda.NormalOptions, u
 		be, err := cuda.NewBackend(d, r, cuda.BackendOptions{Timeout: 20 * time.Second, NVLink: allLinks{}, Process: fmt.Sprint("rank", r)})
 		require.NoError(t, err)
 		be.SetNormalOptions(opts)
-		buf, err := goep.NewBuffer(goep.Params{Rank: r, NumRanks: R, NumNVLBytes: nvlBytes, UseFabric: useFabric}, be)
+		buf, err := goep.NewBuffer(goep.Params{Rank: r, NumRanks: R, NumNVLBytes: nvlBytes, UseFabric: useFabric, Engines: engines}, be)
 		require.NoError(t, err)
 		handles[r], err = buf.LocalIPCHandle()
 		require.NoError(t, err)

@@ -17,6 +17,7 @@ import (
 	"github.com/pyep/pyep/goep/cuda"
 	"github.com/pyep/pyep/goep/cuda/driver/fake"
 	"github.com/pyep/pyep/goep/cuda/emu"
+	cudall "github.com/pyep/pyep/goep/cuda/lowlatency"
 	"github.com/pyep/pyep/goep/dlpack"
 	"github.com/pyep/pyep/goep/lowlatency"
 )
@@ -28,7 +29,7 @@ import (
 type llRank struct {
 	drv *fake.Driver
 	be  *cuda.Backend
-	ll  *cuda.LowLatency
+	ll  *cudall.Engine
 	env *rankEnv
 }
 
@@ -64,7 +65,7 @@ func newLLDomain(t *testing.T, R int, numBytes int64) []*llRank {
 			regions[p] = reg.Data()
 		}
 		var err error
-		k.ll, err = k.be.NewLowLatency(r, regions, numBytes, 1)
+		k.ll, err = cudall.New(k.be, r, regions, numBytes, 1)
 		require.NoError(t, err)
 		t.Cleanup(func() { assert.NoError(t, k.ll.Close()) })
 	}

@@ -1,18 +1,19 @@
 //go:build cgo
 
-package cuda
+package cudanormal
 
 import (
 	"fmt"
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda"
 	"github.com/pyep/pyep/goep/cuda/driver"
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
 // Dispatch implements goep.NormalEngine: it queues the kernels and returns.
-func (e *normalEngine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
+func (e *engine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 	topo := e.env.Topo
 	end, st, notified, err := e.enterBuffer()
 	defer end()
@@ -45,7 +46,7 @@ func (e *normalEngine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 
 // prepareDispatch checks a dispatch whose rings must end by limit (the region's end, or the
 // scratch of the notify before it) and finds its kernel.
-func (e *normalEngine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.DispatchOp, limit int64) (f driver.Function, off [5]int64, err error) {
+func (e *engine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.DispatchOp, limit int64) (f driver.Function, off [5]int64, err error) {
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	slots := a.Config.NumMaxNVLChunkedRecvTokens
 	// goep checked the top-k and the experts; the row sizes are this engine's limits.
@@ -64,9 +65,9 @@ func (e *normalEngine) prepareDispatch(st *bufferState, topo goep.Topology, a *g
 	}
 	threads := int32(e.opts.Threads)
 	vec := vecBytes(a.HiddenBytes, ptr(a.X), ptr(a.RecvX))
-	key := kernelKey{kind: kindDispatch, name: nameDispatch, ranks: int32(R), a: int32(a.HiddenBytes), b: int32(a.ScalesBytes),
-		c: int32(a.NumTopk), d: int32(vec), threads: threads}
-	f, err = e.b.kernels.function(e.b, key, func() map[string]string {
+	key := cuda.KernelKey{Kernel: cuda.KernelDispatch, Ranks: int32(R), A: int32(a.HiddenBytes), B: int32(a.ScalesBytes),
+		C: int32(a.NumTopk), D: int32(vec), Threads: threads}
+	f, err = e.b.Kernel(key, func() map[string]string {
 		return DispatchDefines(R, a.HiddenBytes, a.ScalesBytes, a.NumTopk, vec, int(threads))
 	})
 	return f, off, err
@@ -74,7 +75,7 @@ func (e *normalEngine) prepareDispatch(st *bufferState, topo goep.Topology, a *g
 
 // fillDispatch fills the dispatch's launch parameters; goSeq is the notify that must let a
 // speculative dispatch run (0: it runs).
-func (e *normalEngine) fillDispatch(st *bufferState, topo goep.Topology, peers []goep.Region, a *goep.DispatchOp, off [5]int64, goSeq uint64) {
+func (e *engine) fillDispatch(st *bufferState, topo goep.Topology, peers []goep.Region, a *goep.DispatchOp, off [5]int64, goSeq uint64) {
 	p := &e.params.dispatch
 	e.fillCtx(&p.ctx, st, topo, peers, a.Config)
 	p.x, p.x_scales, p.topk, p.weights, p.in_rank = u64(ptr(a.X)), u64(ptr(a.XScales)), u64(ptr(a.TopkIdx)), u64(ptr(a.TopkWeights)), u64(ptr(a.InRank))
@@ -93,7 +94,7 @@ func (e *normalEngine) fillDispatch(st *bufferState, topo goep.Topology, peers [
 }
 
 // Combine implements goep.NormalEngine: it queues the kernels and returns.
-func (e *normalEngine) Combine(peers []goep.Region, a *goep.CombineOp) error {
+func (e *engine) Combine(peers []goep.Region, a *goep.CombineOp) error {
 	topo := e.env.Topo
 	end, st, _, err := e.enterBuffer()
 	defer end()
@@ -125,9 +126,9 @@ func (e *normalEngine) Combine(peers []goep.Region, a *goep.CombineOp) error {
 		return goep.Argf("combine: x, bias and combined_x must be aligned to their %d-byte elements", es)
 	}
 	threads := int32(e.opts.Threads)
-	key := kernelKey{kind: kindCombine, name: nameCombine, ranks: int32(R), a: int32(a.Hidden), b: dtype, c: int32(a.NumTopk),
-		d: int32(vec), threads: threads}
-	f, err := e.b.kernels.function(e.b, key, func() map[string]string {
+	key := cuda.KernelKey{Kernel: cuda.KernelCombine, Ranks: int32(R), A: int32(a.Hidden), B: dtype, C: int32(a.NumTopk),
+		D: int32(vec), Threads: threads}
+	f, err := e.b.Kernel(key, func() map[string]string {
 		return CombineDefines(R, a.Hidden, int(dtype), a.NumTopk, vec, int(threads))
 	})
 	if err != nil {

@@ -2,7 +2,6 @@ package cuda
 
 import (
 	"fmt"
-	"strconv"
 	"sync"
 
 	"github.com/pyep/pyep/goep/cuda/driver"
@@ -10,7 +9,8 @@ import (
 	"github.com/pyep/pyep/goep/jit"
 )
 
-// The kernels of normal mode, compiled once per device and shared by every buffer's engine.
+// The device's compiled kernels, of every mode: compiled once per device and shared by every
+// buffer's engines (goep/cuda/normal, goep/cuda/lowlatency), which look them up by KernelKey.
 
 // KernelLoader provides the kernels; the default compiles with NVRTC. file is a kernel source
 // ("intranode.cu"), kernel the entry point, defines the constants it is specialised on.
@@ -18,15 +18,15 @@ type KernelLoader interface {
 	Load(b *Backend, file, kernel string, defines map[string]string) (driver.Function, error)
 }
 
-// NormalOptions tune the normal-mode engines of a device; tests set them (SetNormalOptions), the
-// zero value is the default.
+// NormalOptions tune the engines of a device, of normal and low-latency mode; tests set them
+// (SetNormalOptions), the zero value is the default.
 type NormalOptions struct {
 	Loader KernelLoader // nil: NVRTC for the device's architecture
 	// Block sizes of dispatch/combine, notify and layout; 0: 768 (PYEP_NORMAL_THREADS, a
 	// multiple of 32 up to 1024, read at start-up, overrides it), 1024, 512.
 	Threads, NotifyThreads, LayoutThreads int
-	// Low-latency mode's block size (0: 512) and blocks (0: one an SM, at most 32, shared among
-	// the ranks on the GPU).
+	// Low-latency mode's block size (0: 512) and blocks (0: one an SM, shared among the ranks on
+	// the GPU).
 	LowLatencyThreads, LowLatencyBlocks int
 }
 
@@ -53,10 +53,6 @@ func (o NormalOptions) withDefaults() NormalOptions {
 // e.g. "-lineinfo" for compute-sanitizer's source lines).
 var extraFlags = env.Flags()
 
-// debugSync (PYEP_DEBUG_SYNC=1, a debugging aid) makes every launch wait for its kernel and
-// name the kernel that failed.
-var debugSync = env.Sync()
-
 // kernelCache is a device's loaded kernels (its zero value is ready): modules live in the
 // device's primary context, so every buffer's engine on the device shares them.
 type kernelCache struct {
@@ -64,7 +60,7 @@ type kernelCache struct {
 	set     bool // opts were set
 	opts    NormalOptions
 	arch    string
-	kernels map[kernelKey]driver.Function
+	kernels map[KernelKey]driver.Function
 	sources map[string]jit.Source
 }
 
@@ -77,6 +73,10 @@ func (b *Backend) SetNormalOptions(o NormalOptions) {
 	k.kernels = nil
 }
 
+// NormalOptions are the device's engine options (SetNormalOptions; the defaults until then),
+// which an engine takes at the start of every call.
+func (b *Backend) NormalOptions() NormalOptions { return b.kernels.options() }
+
 // options are the device's engine options.
 func (k *kernelCache) options() NormalOptions {
 	k.mu.Lock()
@@ -87,30 +87,27 @@ func (k *kernelCache) options() NormalOptions {
 	return k.opts
 }
 
+// Kernel names an entry point of kernels/: its file and its symbols (kernelSymbols).
+type Kernel int8
+
+// The entry points of every mode.
 const (
-	kindNotify = iota + 1
-	kindDispatch
-	kindCombine
-	kindLayout
-	kindLLDispatch
-	kindLLCombine
+	KernelNotify Kernel = iota + 1
+	KernelPrologue
+	KernelDispatch
+	KernelCombine
+	KernelLayout
+	KernelLLDispatch
+	KernelLLCombine
 )
 
-// kernelKey identifies a compiled variant; comparable, so a lookup allocates nothing.
-type kernelKey struct {
-	kind, name                 int8
-	ranks, a, b, c, d, threads int32
+// KernelKey identifies a compiled variant: the kernel and the numbers its engine specialises it
+// on (ranks, shape, block size; A to D as the engine uses them), which also make its defines.
+// Comparable, so a lookup allocates nothing.
+type KernelKey struct {
+	Kernel                     Kernel
+	Ranks, A, B, C, D, Threads int32
 }
-
-const (
-	nameNotify = iota + 1
-	namePrologue
-	nameDispatch
-	nameCombine
-	nameLayout
-	nameLLDispatch
-	nameLLCombine
-)
 
 // kernelSymbol is where a kernel lives and the symbols it is loaded by.
 type kernelSymbol struct {
@@ -120,14 +117,14 @@ type kernelSymbol struct {
 	// ::combine, which profilers show and DeepEP's test harness looks for (see low_latency.cu)
 }
 
-var kernelSymbols = map[int8]kernelSymbol{
-	nameNotify:     {"intranode.cu", "pyep_notify", "pyep_notify"},
-	namePrologue:   {"intranode.cu", "pyep_prologue", "pyep_prologue"},
-	nameDispatch:   {"intranode.cu", "pyep_dispatch", "pyep_dispatch"},
-	nameCombine:    {"intranode.cu", "pyep_combine", "pyep_combine"},
-	nameLayout:     {"layout.cu", "pyep_layout", "pyep_layout"},
-	nameLLDispatch: {"low_latency.cu", "pyep_ll_dispatch", "_ZN4pyep2ll8dispatchENS_14pyep_ll_paramsE"},
-	nameLLCombine:  {"low_latency.cu", "pyep_ll_combine", "_ZN4pyep2ll7combineENS_14pyep_ll_paramsE"},
+var kernelSymbols = map[Kernel]kernelSymbol{
+	KernelNotify:     {"intranode.cu", "pyep_notify", "pyep_notify"},
+	KernelPrologue:   {"intranode.cu", "pyep_prologue", "pyep_prologue"},
+	KernelDispatch:   {"intranode.cu", "pyep_dispatch", "pyep_dispatch"},
+	KernelCombine:    {"intranode.cu", "pyep_combine", "pyep_combine"},
+	KernelLayout:     {"layout.cu", "pyep_layout", "pyep_layout"},
+	KernelLLDispatch: {"low_latency.cu", "pyep_ll_dispatch", "_ZN4pyep2ll8dispatchENS_14pyep_ll_paramsE"},
+	KernelLLCombine:  {"low_latency.cu", "pyep_ll_combine", "_ZN4pyep2ll7combineENS_14pyep_ll_paramsE"},
 }
 
 // GPUSymbols are the symbols the GPU loads, by kernel file (for tests that check them against the compiled image).
@@ -139,14 +136,21 @@ func GPUSymbols() map[string][]string {
 	return out
 }
 
+// Kernel returns the compiled variant key of a kernel, compiling and loading it on first use
+// (through the options' Loader, or NVRTC for this GPU) with the constants defines returns, which
+// it calls only then. The context must be current (Enter).
+func (b *Backend) Kernel(key KernelKey, defines func() map[string]string) (driver.Function, error) {
+	return b.kernels.function(b, key, defines)
+}
+
 // function returns the kernel of key, loading it on first use; the context is current.
-func (k *kernelCache) function(b *Backend, key kernelKey, defines func() map[string]string) (driver.Function, error) {
+func (k *kernelCache) function(b *Backend, key KernelKey, defines func() map[string]string) (driver.Function, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if f, ok := k.kernels[key]; ok {
 		return f, nil
 	}
-	sym := kernelSymbols[key.name]
+	sym := kernelSymbols[key.Kernel]
 	var f driver.Function
 	var err error
 	if k.opts.Loader != nil {
@@ -158,7 +162,7 @@ func (k *kernelCache) function(b *Backend, key kernelKey, defines func() map[str
 		return driver.Function{}, fmt.Errorf("pyep: loading kernel %s of %s: %w", sym.c, sym.file, err)
 	}
 	if k.kernels == nil {
-		k.kernels = map[kernelKey]driver.Function{}
+		k.kernels = map[KernelKey]driver.Function{}
 	}
 	k.kernels[key] = f
 	return f, nil
@@ -194,35 +198,3 @@ func (k *kernelCache) nvrtc(b *Backend, file, name string, defines map[string]st
 	}
 	return mod.Function(name)
 }
-
-func itoa(n int) string { return strconv.Itoa(n) }
-
-// The constants each kernel variant is compiled with (the engine's choices; exported for tools
-// that fill the kernel cache ahead of time).
-
-// LayoutDefines are layout.cu's for blocks of threads.
-func LayoutDefines(threads int) map[string]string {
-	return map[string]string{"PYEP_LAYOUT_THREADS": itoa(threads), "PYEP_LAYOUT_EXPERTS_PER_BLOCK": itoa(layoutExpertsPerBlock)}
-}
-
-// NotifyDefines are those of notify and the prologue (intranode.cu) for numRanks ranks.
-func NotifyDefines(numRanks, notifyThreads, threads int) map[string]string {
-	return map[string]string{"PYEP_NOTIFY": "", "PYEP_RANKS": itoa(numRanks), "PYEP_NOTIFY_THREADS": itoa(notifyThreads),
-		"PYEP_THREADS": itoa(threads)}
-}
-
-// DispatchDefines are the dispatch kernel's: rows of hiddenBytes (+ scalesBytes of scales),
-// topk indices per token (0 for a cached dispatch), moved as vec-byte vectors.
-func DispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec, threads int) map[string]string {
-	return map[string]string{"PYEP_DISPATCH": "", "PYEP_RANKS": itoa(numRanks), "PYEP_HIDDEN_BYTES": itoa(hiddenBytes),
-		"PYEP_SCALES_BYTES": itoa(scalesBytes), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec), "PYEP_THREADS": itoa(threads)}
-}
-
-// CombineDefines are the combine kernel's: rows of hidden elements of dtype (1 bf16, 2 fp16,
-// 3 fp32), topk weights per row (0 for none), vec-byte vectors.
-func CombineDefines(numRanks, hidden, dtype, topk, vec, threads int) map[string]string {
-	return map[string]string{"PYEP_COMBINE": "", "PYEP_RANKS": itoa(numRanks), "PYEP_HIDDEN": itoa(hidden),
-		"PYEP_DTYPE": itoa(dtype), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec), "PYEP_THREADS": itoa(threads)}
-}
-
-const layoutExpertsPerBlock = 64

@@ -1,9 +1,9 @@
 //go:build cgo
 
-package cuda
+package cudanormal
 
 /*
-#include "../../kernels/params.h"
+#include "../../../kernels/params.h"
 */
 import "C"
 
@@ -32,13 +32,8 @@ func notifyTag(r *notifyResult) *uint64 { return (*uint64)(unsafe.Pointer(&r.tag
 const notifyResultBytes = int(unsafe.Sizeof(notifyResult{}))
 
 // opError is the kernels' error record (protocol.cuh's OpError): the device protocol, read by
-// the host. llParams and llError are low-latency mode's launch parameters and error record
-// (low_latency.cu's LLParams, LLError).
-type (
-	opError  = C.struct_pyep_op_error
-	llParams = C.struct_pyep_ll_params
-	llError  = C.struct_pyep_ll_error
-)
+// the host.
+type opError = C.struct_pyep_op_error
 
 // opErrorCode is where the record is complete: its code, which the kernel writes last.
 func opErrorCode(r *opError) *uint32 { return (*uint32)(unsafe.Pointer(&r.code)) }

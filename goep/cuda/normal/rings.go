@@ -1,4 +1,4 @@
-package cuda
+package cudanormal
 
 import (
 	"fmt"
@@ -68,9 +68,6 @@ func tooSmall(op string, rank int, have, need int64, what string) error {
 	return goep.Argf("%s: rank %d: num_nvl_bytes = %d is too small: %s need %d bytes (see Config.get_nvl_buffer_size_hint)",
 		op, rank, have, what, need)
 }
-
-// waitHost polls the u64 at tag until it holds want: the answer of a kernel on the
-// communication stream. It gives up when the buffer's error record fills (st != nil), the
 
 func configString(c goep.Config) string {
 	return fmt.Sprintf("Config(num_sms=%d, num_max_nvl_chunked_send_tokens=%d, num_max_nvl_chunked_recv_tokens=%d)",

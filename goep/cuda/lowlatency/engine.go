@@ -1,16 +1,18 @@
 //go:build cgo
 
-package cuda
+package cudall
 
 import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda"
 	"github.com/pyep/pyep/goep/cuda/driver"
 	"github.com/pyep/pyep/goep/lowlatency"
 )
@@ -23,7 +25,8 @@ import (
 // calls, as with DeepEP). A wait that times out masks the peer in this rank's region and fills
 // the engine's error record (host-mapped); the host reads it at the next call and at hooks.
 
-// The launch parameters (llParams) and the error record (llError) are kernels/params.h's (abi.go).
+// The launch parameters (llParams) and the error record (llError) are kernels/params.h's (abi.go);
+// the kernels are the device's, compiled and kept by the cuda.Backend (goep/cuda/kernels.go).
 
 const (
 	llPhaseSend = 1
@@ -32,9 +35,9 @@ const (
 	llLocalBytes = 32
 )
 
-// LowLatency is one buffer's low-latency engine on this GPU.
-type LowLatency struct {
-	b        *Backend
+// Engine is one buffer's low-latency engine on a GPU.
+type Engine struct {
+	b        *cuda.Backend
 	mu       sync.Mutex
 	rank, n  int
 	bytes    int64
@@ -51,10 +54,10 @@ type LowLatency struct {
 	closed   bool
 }
 
-// NewLowLatency makes the engine of rank over regions (every rank's low-latency region as mapped
-// here, numBytes each).
+// New makes the engine of rank on b's GPU over regions (every rank's low-latency region as
+// mapped here, numBytes each).
 // sharing is how many ranks of the group use this GPU (their kernels share its SMs).
-func (b *Backend) NewLowLatency(rank int, regions []unsafe.Pointer, numBytes int64, sharing int) (*LowLatency, error) {
+func New(b *cuda.Backend, rank int, regions []unsafe.Pointer, numBytes int64, sharing int) (*Engine, error) {
 	exit, err := b.Enter()
 	defer exit()
 	if err != nil {
@@ -67,34 +70,52 @@ func (b *Backend) NewLowLatency(rank int, regions []unsafe.Pointer, numBytes int
 			table[8*i+k] = byte(v >> (8 * k))
 		}
 	}
-	peers, err := b.drv.MemAlloc(len(table))
+	peers, err := b.Driver().MemAlloc(len(table))
 	if err != nil {
 		return nil, err
 	}
-	if err := b.drv.MemcpyHtoD(peers, table); err != nil {
-		_ = b.drv.MemFree(peers)
+	if err := b.Driver().MemcpyHtoD(peers, table); err != nil {
+		_ = b.Driver().MemFree(peers)
 		return nil, err
 	}
-	localDev, err := b.drv.MemAlloc(llLocalBytes)
+	localDev, err := b.Driver().MemAlloc(llLocalBytes)
 	if err == nil {
-		err = b.drv.MemsetD8(localDev, 0, llLocalBytes)
+		err = b.Driver().MemsetD8(localDev, 0, llLocalBytes)
 	}
 	if err != nil {
-		_ = b.drv.MemFree(peers)
+		_ = b.Driver().MemFree(peers)
 		return nil, err
 	}
-	errHost, errDev, err := b.hostAlloc(int(unsafe.Sizeof(llError{})))
+	errHost, errDev, err := b.HostAlloc(int(unsafe.Sizeof(llError{})))
 	if err != nil {
-		_ = b.drv.MemFree(peers)
-		_ = b.drv.MemFree(localDev)
+		_ = b.Driver().MemFree(peers)
+		_ = b.Driver().MemFree(localDev)
 		return nil, err
 	}
-	return &LowLatency{b: b, rank: rank, n: len(regions), bytes: numBytes, base: PtrOf(regions[rank]), peersDev: peers,
-		sharing: max(1, sharing), timeout: b.timeout, localDev: localDev, errHost: errHost, errDev: errDev, params: new(llParams)}, nil
+	return &Engine{b: b, rank: rank, n: len(regions), bytes: numBytes, base: cuda.PtrOf(regions[rank]), peersDev: peers,
+		sharing: max(1, sharing), timeout: b.Timeout(), localDev: localDev, errHost: errHost, errDev: errDev, params: new(llParams)}, nil
+}
+
+var _ goep.DeviceLowLatency = (*Engine)(nil)
+
+// NewEngine makes the engine of one buffer on env.Backend's GPU, a *cuda.Backend, over regions
+// (every rank's low-latency region as mapped here, numBytes each); tokens are every rank's
+// region tokens, which tell the ranks that share the GPU. It is goep.Engines' LowLatency maker
+// for cuda buffers (the composition root, goep/api, sets it).
+func NewEngine(env goep.EngineEnv, regions []unsafe.Pointer, numBytes int64, tokens [][]byte) (goep.DeviceLowLatency, error) {
+	b, err := cuda.BackendOf(env.Backend)
+	if err != nil {
+		return nil, err
+	}
+	e, err := New(b, env.Topo.Rank, regions, numBytes, b.RanksOnDevice(tokens))
+	if err != nil {
+		return nil, err
+	}
+	return e, nil
 }
 
 // Close frees the engine's table and record once the GPU is done with them.
-func (e *LowLatency) Close() error {
+func (e *Engine) Close() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
@@ -102,7 +123,7 @@ func (e *LowLatency) Close() error {
 	}
 	e.closed = true
 	b := e.b
-	if err := b.syncDevice(b.timeout); err != nil {
+	if err := b.SyncDevice(b.Timeout()); err != nil {
 		return fmt.Errorf("pyep: cuda: closing the buffer's low-latency mode: %w", err)
 	}
 	exit, err := b.Enter()
@@ -110,20 +131,20 @@ func (e *LowLatency) Close() error {
 	if err != nil {
 		return err
 	}
-	return errors.Join(b.drv.MemFree(e.peersDev), b.drv.MemFree(e.localDev), b.drv.MemFreeHost(e.errHost))
+	return errors.Join(b.Driver().MemFree(e.peersDev), b.Driver().MemFree(e.localDev), b.Driver().MemFreeHost(e.errHost))
 }
 
-// LLRecv is the receive phase of a call launched with a hook.
-type LLRecv struct {
-	e      *LowLatency
+// Recv is the receive phase of a call launched with a hook.
+type Recv struct {
+	e      *Engine
 	f      driver.Function
 	params llParams
-	opts   NormalOptions
+	opts   cuda.NormalOptions
 	done   bool
 }
 
 // failure turns the error record into an error naming the peer, once.
-func (e *LowLatency) failure() error {
+func (e *Engine) failure() error {
 	if e.dead != nil {
 		return e.dead
 	}
@@ -139,8 +160,8 @@ func (e *LowLatency) failure() error {
 }
 
 // Launch queues a dispatch, or a combine, on c.Stream; with c.Hook only its send phase, and
-// the returned LLRecv queues the receive.
-func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
+// the returned Recv queues the receive.
+func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if err := e.failure(); err != nil {
@@ -158,10 +179,10 @@ func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error
 	// goep refuses a call whose half still awaits a hook (the call two back): its send would wait
 	// for an acknowledgement that the hook gives.
 	h := int(e.calls % 2)
-	opts := e.b.kernels.options()
-	name, def, kind := int8(nameLLDispatch), "PYEP_LL_DISPATCH", int8(kindLLDispatch)
+	opts := e.b.NormalOptions()
+	kernel, def := cuda.KernelLLDispatch, "PYEP_LL_DISPATCH"
 	if combine {
-		name, def, kind = nameLLCombine, "PYEP_LL_COMBINE", kindLLCombine
+		kernel, def = cuda.KernelLLCombine, "PYEP_LL_COMBINE"
 	}
 	flags := int32(0)
 	for i, on := range []bool{c.UseFP8, c.RoundScale, c.UseUE8M0} {
@@ -169,8 +190,8 @@ func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error
 			flags |= 1 << i
 		}
 	}
-	key := kernelKey{kind: kind, name: name, a: int32(c.Shape.Hidden), b: int32(c.NumTopk), c: flags, threads: int32(opts.LowLatencyThreads)}
-	f, err := e.b.kernels.function(e.b, key, func() map[string]string {
+	key := cuda.KernelKey{Kernel: kernel, A: int32(c.Shape.Hidden), B: int32(c.NumTopk), C: flags, Threads: int32(opts.LowLatencyThreads)}
+	f, err := e.b.Kernel(key, func() map[string]string {
 		return map[string]string{def: "", "PYEP_LL_HIDDEN": itoa(c.Shape.Hidden), "PYEP_LL_TOPK": itoa(c.NumTopk),
 			"PYEP_LL_FP8": b2s(c.UseFP8), "PYEP_LL_ROUND": b2s(c.RoundScale), "PYEP_LL_UE8M0": b2s(c.UseUE8M0),
 			"PYEP_LL_THREADS": itoa(opts.LowLatencyThreads)}
@@ -203,16 +224,16 @@ func (e *LowLatency) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error
 	if !c.Hook {
 		return nil, nil
 	}
-	r := &LLRecv{e: e, f: f, params: *p, opts: opts}
+	r := &Recv{e: e, f: f, params: *p, opts: opts}
 	r.params.phases = llPhaseRecv
 	return r, nil
 }
 
-func (e *LowLatency) launch(f driver.Function, s driver.Stream, p *llParams, o NormalOptions) error {
+func (e *Engine) launch(f driver.Function, s driver.Stream, p *llParams, o cuda.NormalOptions) error {
 	grid := o.LowLatencyBlocks
 	if grid == 0 {
 		// One block an SM, shared fairly among the ranks on this GPU (MPS runs their kernels at once).
-		sms, err := e.b.dev.Attribute(driver.AttrMultiprocessorCount)
+		sms, err := e.b.Device().Attribute(driver.AttrMultiprocessorCount)
 		if err != nil {
 			return err
 		}
@@ -221,12 +242,12 @@ func (e *LowLatency) launch(f driver.Function, s driver.Stream, p *llParams, o N
 	if err := f.Launch([3]uint32{uint32(grid), 1, 1}, [3]uint32{uint32(o.LowLatencyThreads), 1, 1}, 0, s, unsafe.Pointer(p)); err != nil {
 		return err
 	}
-	e.b.lastLaunch.Store(driver.MonotonicNS())
+	e.b.StampLaunch()
 	return nil
 }
 
 // Finish launches the receive phase on stream.
-func (r *LLRecv) Finish(stream uintptr) error {
+func (r *Recv) Finish(stream uintptr) error {
 	e := r.e
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -248,7 +269,7 @@ func (r *LLRecv) Finish(stream uintptr) error {
 
 // Clean zeroes this rank's flags, acknowledgements and call counters, and with masks its masks
 // too (the callers pass a barrier before and after), and forgets the recorded failure.
-func (e *LowLatency) Clean(s lowlatency.Shape, masks bool) error {
+func (e *Engine) Clean(s lowlatency.Shape, masks bool) error {
 	l, err := e.layout(s)
 	if err != nil {
 		return err
@@ -259,11 +280,11 @@ func (e *LowLatency) Clean(s lowlatency.Shape, masks bool) error {
 			zero = append(zero, [2]int64{l.Mask(0), 4 * int64(e.n)})
 		}
 		for _, z := range zero {
-			if err := e.b.drv.MemsetD8(e.base.Add(int(z[0])), 0, int(z[1])); err != nil {
+			if err := e.b.Driver().MemsetD8(e.base.Add(int(z[0])), 0, int(z[1])); err != nil {
 				return err
 			}
 		}
-		if err := e.b.drv.MemsetD8(e.localDev, 0, llLocalBytes); err != nil {
+		if err := e.b.Driver().MemsetD8(e.localDev, 0, llLocalBytes); err != nil {
 			return err
 		}
 		*(*llError)(e.errHost) = llError{}
@@ -273,19 +294,19 @@ func (e *LowLatency) Clean(s lowlatency.Shape, masks bool) error {
 }
 
 // SetMask masks (or unmasks) rank p on this rank.
-func (e *LowLatency) SetMask(p int, on bool) error {
+func (e *Engine) SetMask(p int, on bool) error {
 	v := []byte{0, 0, 0, 0}
 	if on {
 		v[0] = 1
 	}
-	return e.idle(func() error { return e.b.drv.MemcpyHtoD(e.maskWord(p), v) })
+	return e.idle(func() error { return e.b.Driver().MemcpyHtoD(e.maskWord(p), v) })
 }
 
 // Masks reads the masks of every rank (1: masked).
-func (e *LowLatency) Masks(out []int32) error {
+func (e *Engine) Masks(out []int32) error {
 	raw := make([]byte, 4*e.n)
 	return e.idle(func() error {
-		if err := e.b.drv.MemcpyDtoH(raw, e.maskWord(0)); err != nil {
+		if err := e.b.Driver().MemcpyDtoH(raw, e.maskWord(0)); err != nil {
 			return err
 		}
 		for i := range out {
@@ -296,7 +317,7 @@ func (e *LowLatency) Masks(out []int32) error {
 }
 
 // layout is shape s's layout, checked against the region's size.
-func (e *LowLatency) layout(s lowlatency.Shape) (lowlatency.Layout, error) {
+func (e *Engine) layout(s lowlatency.Shape) (lowlatency.Layout, error) {
 	l, err := lowlatency.NewLayout(e.n, s)
 	if err == nil {
 		err = l.Fits(e.bytes)
@@ -306,7 +327,7 @@ func (e *LowLatency) layout(s lowlatency.Shape) (lowlatency.Layout, error) {
 
 // idle runs f with the engine locked, the context current and the device idle: the words f
 // touches are the kernels' too.
-func (e *LowLatency) idle(f func() error) error {
+func (e *Engine) idle(f func() error) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	exit, err := e.b.Enter()
@@ -314,17 +335,19 @@ func (e *LowLatency) idle(f func() error) error {
 	if err != nil {
 		return err
 	}
-	if err := e.b.drv.CtxSynchronize(); err != nil {
+	if err := e.b.Driver().CtxSynchronize(); err != nil {
 		return err
 	}
 	return f()
 }
 
 // maskWord is the address of rank p's mask word in this rank's header (which no shape changes).
-func (e *LowLatency) maskWord(p int) driver.DevicePtr {
+func (e *Engine) maskWord(p int) driver.DevicePtr {
 	l, _ := lowlatency.NewLayout(e.n, lowlatency.Shape{MaxTokens: 1, Hidden: lowlatency.ScaleBlock, NumExperts: e.n})
 	return e.base.Add(int(l.Mask(p)))
 }
+
+func itoa(n int) string { return strconv.Itoa(n) }
 
 func b2s(v bool) string {
 	if v {
@@ -333,26 +356,8 @@ func b2s(v bool) string {
 	return "0"
 }
 
-// RanksOnDevice counts the tokens (every rank's, from Sync's handles) of buffers on this GPU.
-func (b *Backend) RanksOnDevice(tokens [][]byte) int {
-	n := 0
-	for _, raw := range tokens {
-		if t, err := decodeToken(raw); err == nil && t.BusID == b.busID {
-			n++
-		}
-	}
-	return n
-}
-
-var _ goep.LowLatencyEngines = (*Backend)(nil)
-
-// NewLowLatencyEngine implements goep.LowLatencyEngines.
-func (b *Backend) NewLowLatencyEngine(rank int, regions []unsafe.Pointer, numBytes int64, tokens [][]byte) (goep.DeviceLowLatency, error) {
-	return b.NewLowLatency(rank, regions, numBytes, b.RanksOnDevice(tokens))
-}
-
 // SetTimeout bounds the waits of the calls queued from now on.
-func (e *LowLatency) SetTimeout(d time.Duration) {
+func (e *Engine) SetTimeout(d time.Duration) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if d > 0 {
@@ -361,7 +366,7 @@ func (e *LowLatency) SetTimeout(d time.Duration) {
 }
 
 // NextSend is the offset of the next call's send area (the rows of a zero-copy combine).
-func (e *LowLatency) NextSend(s lowlatency.Shape) (int64, error) {
+func (e *Engine) NextSend(s lowlatency.Shape) (int64, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	l, err := e.layout(s)

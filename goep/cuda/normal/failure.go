@@ -1,6 +1,6 @@
 //go:build cgo
 
-package cuda
+package cudanormal
 
 import (
 	"fmt"

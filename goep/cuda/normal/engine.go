@@ -1,6 +1,6 @@
 //go:build cgo
 
-package cuda
+package cudanormal
 
 import (
 	"errors"
@@ -12,14 +12,15 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda"
 	"github.com/pyep/pyep/goep/cuda/driver"
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
-// Normal mode on the GPU: every goep.Buffer has a normalEngine of its own (NewNormalEngine),
-// which runs the kernels of kernels/layout.cu and kernels/intranode.cu (see intranode.cu for the
-// memory layout and the protocol), compiled by NVRTC for this GPU and the call's shape and
-// shared by every engine of the device (the Backend's kernelCache, normal_kernels.go).
+// Normal mode on the GPU: every goep.Buffer has an engine of its own (NewEngine), which runs
+// the kernels of kernels/layout.cu and kernels/intranode.cu (see intranode.cu for the memory
+// layout and the protocol), compiled by NVRTC for this GPU and the call's shape and shared by
+// every engine of the device (the cuda.Backend's kernel cache, goep/cuda/kernels.go).
 //
 // Every kernel runs on the backend's communication stream. Layout and Notify wait on the host
 // for their results (mapped host memory): layout to report an out-of-range expert index, notify
@@ -53,12 +54,12 @@ type bufferState struct {
 	perExpert  []int32
 }
 
-// normalEngine is one buffer's normal mode on the GPU; its lock serialises the buffer's calls.
-type normalEngine struct {
-	b    *Backend
+// engine is one buffer's normal mode on the GPU; its lock serialises the buffer's calls.
+type engine struct {
+	b    *cuda.Backend
 	env  goep.EngineEnv
 	mu   sync.Mutex
-	opts NormalOptions // the device's, as of the call's start
+	opts cuda.NormalOptions // the device's, as of the call's start
 	st   bufferState
 	done bool // closed
 
@@ -82,19 +83,23 @@ type launchParams struct {
 }
 
 var (
-	_ goep.NormalEngines     = (*Backend)(nil)
-	_ goep.SpeculativeEngine = (*normalEngine)(nil)
-	_ goep.PerExpertCounter  = (*normalEngine)(nil)
+	_ goep.SpeculativeEngine = (*engine)(nil)
+	_ goep.PerExpertCounter  = (*engine)(nil)
 )
 
-// NewNormalEngine implements goep.NormalEngines: the engine of one buffer on this GPU.
-func (b *Backend) NewNormalEngine(env goep.EngineEnv) (goep.NormalEngine, error) {
-	return &normalEngine{b: b, env: env, st: bufferState{seq: 1}, params: new(launchParams)}, nil
+// NewEngine makes the normal-mode engine of one buffer on env.Backend's GPU, a *cuda.Backend:
+// it is goep.Engines' Normal maker for cuda buffers (the composition root, goep/api, sets it).
+func NewEngine(env goep.EngineEnv) (goep.NormalEngine, error) {
+	b, err := cuda.BackendOf(env.Backend)
+	if err != nil {
+		return nil, err
+	}
+	return &engine{b: b, env: env, st: bufferState{seq: 1}, params: new(launchParams)}, nil
 }
 
 // Close implements goep.Engine: once the GPU's work is done (bounded by the backend's timeout),
 // it frees the buffer's host-mapped records, which queued kernels may still write.
-func (e *normalEngine) Close() error {
+func (e *engine) Close() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.done {
@@ -105,7 +110,7 @@ func (e *normalEngine) Close() error {
 		return nil
 	}
 	b := e.b
-	if err := b.syncDevice(b.timeout); err != nil {
+	if err := b.SyncDevice(b.Timeout()); err != nil {
 		return fmt.Errorf("pyep: cuda: closing the buffer's normal mode: %w; its records stay allocated", err)
 	}
 	exit, err := b.Enter()
@@ -116,31 +121,16 @@ func (e *normalEngine) Close() error {
 	var errs []error
 	for _, p := range []unsafe.Pointer{e.st.errHost, e.st.resHost, e.layoutHost} {
 		if p != nil {
-			errs = append(errs, b.drv.MemFreeHost(p))
+			errs = append(errs, b.Driver().MemFreeHost(p))
 		}
 	}
 	e.st.errHost, e.st.resHost, e.layoutHost = nil, nil, nil
 	return errors.Join(errs...)
 }
 
-// hostAlloc allocates zeroed, device-mapped host memory.
-func (b *Backend) hostAlloc(n int) (unsafe.Pointer, driver.DevicePtr, error) {
-	p, err := b.drv.MemHostAlloc(n, driver.HostAllocPortable|driver.HostAllocDeviceMap)
-	if err != nil {
-		return nil, 0, err
-	}
-	d, err := b.drv.MemHostGetDevicePointer(p)
-	if err != nil {
-		_ = b.drv.MemFreeHost(p)
-		return nil, 0, err
-	}
-	clear(unsafe.Slice((*byte)(p), n))
-	return p, d, nil
-}
-
 // begin locks the engine, enters the context and takes the device's options; end undoes the
 // first two.
-func (e *normalEngine) begin() (end func(), err error) {
+func (e *engine) begin() (end func(), err error) {
 	e.mu.Lock()
 	if e.done {
 		e.mu.Unlock()
@@ -152,7 +142,7 @@ func (e *normalEngine) begin() (end func(), err error) {
 		e.mu.Unlock()
 		return func() {}, err
 	}
-	e.opts = e.b.kernels.options()
+	e.opts = e.b.NormalOptions()
 	return func() { exit(); e.mu.Unlock() }, nil
 }
 
@@ -160,13 +150,13 @@ func (e *normalEngine) begin() (end func(), err error) {
 // entered, the buffer's state (its error record allocated), whether the call before was a
 // successful notify (cleared now), and the buffer's recorded failure if it has one. end undoes
 // begin, also after an error.
-func (e *normalEngine) enterBuffer() (end func(), st *bufferState, notified bool, err error) {
+func (e *engine) enterBuffer() (end func(), st *bufferState, notified bool, err error) {
 	if end, err = e.begin(); err != nil {
 		return end, nil, false, err
 	}
 	st = &e.st
 	if st.errHost == nil {
-		if st.errHost, st.errDev, err = e.b.hostAlloc(opErrorBytes); err != nil {
+		if st.errHost, st.errDev, err = e.b.HostAlloc(opErrorBytes); err != nil {
 			return end, nil, false, err
 		}
 	}
@@ -175,7 +165,7 @@ func (e *normalEngine) enterBuffer() (end func(), st *bufferState, notified bool
 }
 
 // usable reports a failure recorded by an earlier kernel of the buffer.
-func (e *normalEngine) usable(st *bufferState) error {
+func (e *engine) usable(st *bufferState) error {
 	if st.dead == nil {
 		st.dead = e.recorded(st)
 	}
@@ -190,7 +180,7 @@ func (e *normalEngine) usable(st *bufferState) error {
 }
 
 // recorded reads the buffer's error record: nil while no kernel failed.
-func (e *normalEngine) recorded(st *bufferState) error {
+func (e *engine) recorded(st *bufferState) error {
 	rec := (*opError)(st.errHost)
 	if atomic.LoadUint32(opErrorCode(rec)) == 0 {
 		return nil
@@ -200,13 +190,13 @@ func (e *normalEngine) recorded(st *bufferState) error {
 }
 
 // launch queues f on the communication stream with one parameter struct.
-func (e *normalEngine) launch(f driver.Function, grid, block uint32, params unsafe.Pointer) error {
-	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{block, 1, 1}, 0, e.b.comm, params); err != nil {
+func (e *engine) launch(f driver.Function, grid, block uint32, params unsafe.Pointer) error {
+	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{block, 1, 1}, 0, e.b.CommStream(), params); err != nil {
 		return err
 	}
-	e.b.lastLaunch.Store(driver.MonotonicNS())
+	e.b.StampLaunch()
 	if debugSync {
-		if err := e.b.comm.Synchronize(); err != nil {
+		if err := e.b.CommStream().Synchronize(); err != nil {
 			return fmt.Errorf("pyep: kernel %s failed: %w; launch parameters: %#v", f.Name(), err, *e.params)
 		}
 	}
@@ -224,33 +214,33 @@ func ptr(t dlpack.Tensor) uint64 {
 // orderBefore makes the call's work on the communication stream wait for previous_event, or
 // else for the caller's stream (DeepEP's stream semantics); the engine is locked and the context
 // current, so the order costs no call of its own.
-func (e *normalEngine) orderBefore(o goep.StreamOrder) error {
+func (e *engine) orderBefore(o goep.StreamOrder) error {
 	b := e.b
 	switch {
 	case o.Event != 0:
-		return b.comm.WaitEvent(driver.WrapEvent(b.drv, o.Event))
+		return b.CommStream().WaitEvent(driver.WrapEvent(b.Driver(), o.Event))
 	case o.Flags&goep.OrderWait != 0:
-		return b.streamWait(b.comm, b.WrapStream(o.Stream))
+		return b.StreamWaitEntered(b.CommStream(), b.WrapStream(o.Stream))
 	}
 	return nil
 }
 
 // orderAfter makes the caller's stream wait for the call's work, unless async_finish.
-func (e *normalEngine) orderAfter(o goep.StreamOrder) error {
+func (e *engine) orderAfter(o goep.StreamOrder) error {
 	if o.Flags&goep.OrderJoin == 0 {
 		return nil
 	}
-	return e.b.streamWait(e.b.WrapStream(o.Stream), e.b.comm)
+	return e.b.StreamWaitEntered(e.b.WrapStream(o.Stream), e.b.CommStream())
 }
 
 // fillCtx sets the parts of ctx every kernel of a call shares.
-func (e *normalEngine) fillCtx(ctx *kctx, st *bufferState, topo goep.Topology, peers []goep.Region, cfg goep.Config) {
+func (e *engine) fillCtx(ctx *kctx, st *bufferState, topo goep.Topology, peers []goep.Region, cfg goep.Config) {
 	for i := range ctx.data {
 		ctx.data[i], ctx.ctl[i] = 0, 0
 	}
 	for i, p := range peers {
-		ctx.data[i] = u64(uint64(PtrOf(p.Data())))
-		ctx.ctl[i] = u64(uint64(PtrOf(p.Control())))
+		ctx.data[i] = u64(uint64(cuda.PtrOf(p.Data())))
+		ctx.ctl[i] = u64(uint64(cuda.PtrOf(p.Control())))
 	}
 	headOff, total := counters(cfg.NumChannels(), topo.NumNVLRanks)
 	ctx.err = u64(uint64(st.errDev))
@@ -274,7 +264,7 @@ const spinFor = 20 * time.Millisecond
 // waitHost polls the u64 at tag until it holds want: the answer of a kernel on the
 // communication stream. It gives up when the buffer's error record fills (st != nil), the
 // stream fails, or the kernels' timeout plus a grace passes.
-func (e *normalEngine) waitHost(tag *uint64, want uint64, st *bufferState, what string) error {
+func (e *engine) waitHost(tag *uint64, want uint64, st *bufferState, what string) error {
 	limit := goep.OpTimeout() + hostGrace
 	start := time.Now()
 	pause := time.Duration(0)
@@ -288,7 +278,7 @@ func (e *normalEngine) waitHost(tag *uint64, want uint64, st *bufferState, what 
 			}
 		}
 		if i%256 == 255 {
-			if _, err := e.b.comm.Query(); err != nil {
+			if _, err := e.b.CommStream().Query(); err != nil {
 				return fmt.Errorf("pyep: %s: the communication stream failed: %w", what, err)
 			}
 			if time.Since(start) > limit {

@@ -1,6 +1,6 @@
 //go:build cgo
 
-package cuda
+package cudanormal
 
 import (
 	"errors"
@@ -8,27 +8,28 @@ import (
 	"unsafe"
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda"
 	"github.com/pyep/pyep/goep/cuda/driver"
 )
 
 // Layout implements goep.NormalEngine: the counts on the GPU, queued without a wait (DeepEP's
 // layout does not synchronise either). Its check of every expert index is recorded on the GPU
 // and reported by the next dispatch's notify, on every rank.
-func (e *normalEngine) Layout(a *goep.LayoutOp) error {
+func (e *engine) Layout(a *goep.LayoutOp) error {
 	end, err := e.begin()
 	defer end()
 	if err != nil {
 		return err
 	}
 	if e.layoutHost == nil {
-		if e.layoutHost, e.layoutDev, err = e.b.hostAlloc(32); err != nil {
+		if e.layoutHost, e.layoutDev, err = e.b.HostAlloc(32); err != nil {
 			return err
 		}
 	}
 	T, K := int32(a.TopkIdx.Shape[0]), int32(a.TopkIdx.Shape[1])
 	E, R := int32(a.NumExperts), int32(a.NumRanks)
 	threads := int32(e.opts.LayoutThreads)
-	f, err := e.b.kernels.function(e.b, kernelKey{kind: kindLayout, name: nameLayout, threads: threads},
+	f, err := e.b.Kernel(cuda.KernelKey{Kernel: cuda.KernelLayout, Threads: threads},
 		func() map[string]string { return LayoutDefines(int(threads)) })
 	if err != nil {
 		return err
@@ -49,7 +50,7 @@ func (e *normalEngine) Layout(a *goep.LayoutOp) error {
 }
 
 // Notify implements goep.NormalEngine.
-func (e *normalEngine) Notify(peers []goep.Region, a *goep.NotifyOp) (int, error) {
+func (e *engine) Notify(peers []goep.Region, a *goep.NotifyOp) (int, error) {
 	topo := e.env.Topo
 	end, st, _, err := e.enterBuffer()
 	defer end()
@@ -80,7 +81,7 @@ func (e *normalEngine) Notify(peers []goep.Region, a *goep.NotifyOp) (int, error
 // the same on every rank); otherwise it returns at once, ran is false, and the caller
 // dispatches again into exact rows (that Dispatch follows the notify, as after Notify). n.Order
 // orders both: the stream order of a dispatch that does not run is the later Dispatch's.
-func (e *normalEngine) NotifyDispatch(peers []goep.Region, n *goep.NotifyOp, d *goep.DispatchOp) (numRecv int, ran bool, err error) {
+func (e *engine) NotifyDispatch(peers []goep.Region, n *goep.NotifyOp, d *goep.DispatchOp) (numRecv int, ran bool, err error) {
 	topo := e.env.Topo
 	if n.Capacity <= 0 || int64(n.Capacity) != d.RecvX.Shape[0] {
 		return 0, false, goep.Argf("dispatch: capacity = %d for %d allocated rows", n.Capacity, d.RecvX.Shape[0])
@@ -123,7 +124,7 @@ func (e *normalEngine) NotifyDispatch(peers []goep.Region, n *goep.NotifyOp, d *
 }
 
 // prepareNotify checks a notify, finds its kernel and fills its launch parameters.
-func (e *normalEngine) prepareNotify(st *bufferState, topo goep.Topology, peers []goep.Region,
+func (e *engine) prepareNotify(st *bufferState, topo goep.Topology, peers []goep.Region,
 	a *goep.NotifyOp) (f driver.Function, scratchOff int64, err error) {
 	b := e.b
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
@@ -142,18 +143,18 @@ func (e *normalEngine) prepareNotify(st *bufferState, topo goep.Topology, peers 
 	epr := E / R
 	if st.resCap < epr {
 		if st.resHost != nil {
-			_ = b.drv.MemFreeHost(st.resHost)
+			_ = b.Driver().MemFreeHost(st.resHost)
 			st.resHost, st.resCap = nil, 0
 		}
 		n := max(epr, 256)
-		if st.resHost, st.resDev, err = b.hostAlloc(notifyResultBytes + 4*n); err != nil {
+		if st.resHost, st.resDev, err = b.HostAlloc(notifyResultBytes + 4*n); err != nil {
 			return f, 0, err
 		}
 		st.resCap = n
 	}
 	threads := int32(e.opts.NotifyThreads)
-	key := kernelKey{kind: kindNotify, name: nameNotify, ranks: int32(R), threads: threads}
-	if f, err = e.b.kernels.function(e.b, key, func() map[string]string { return NotifyDefines(R, int(threads), e.opts.Threads) }); err != nil {
+	key := cuda.KernelKey{Kernel: cuda.KernelNotify, Ranks: int32(R), Threads: threads}
+	if f, err = e.b.Kernel(key, func() map[string]string { return NotifyDefines(R, int(threads), e.opts.Threads) }); err != nil {
 		return f, 0, err
 	}
 	p := &e.params.notify
@@ -179,7 +180,7 @@ func (e *normalEngine) prepareNotify(st *bufferState, topo goep.Topology, peers 
 }
 
 // launchNotify queues the prepared notify; it returns the notify's barrier number.
-func (e *normalEngine) launchNotify(f driver.Function, st *bufferState) (seq uint64, err error) {
+func (e *engine) launchNotify(f driver.Function, st *bufferState) (seq uint64, err error) {
 	seq = st.seq
 	if err := e.launch(f, 1, uint32(e.opts.NotifyThreads), unsafe.Pointer(&e.params.notify)); err != nil {
 		return 0, err
@@ -189,7 +190,7 @@ func (e *normalEngine) launchNotify(f driver.Function, st *bufferState) (seq uin
 }
 
 // finishNotify waits for the answer of the notify with barrier number seq.
-func (e *normalEngine) finishNotify(st *bufferState, seq uint64, topo goep.Topology, a *goep.NotifyOp, scratchOff int64) (int, bool, error) {
+func (e *engine) finishNotify(st *bufferState, seq uint64, topo goep.Topology, a *goep.NotifyOp, scratchOff int64) (int, bool, error) {
 	res := (*notifyResult)(st.resHost)
 	if err := e.waitHost(notifyTag(res), seq, st, "dispatch (notify)"); err != nil {
 		if st.dead == nil {
@@ -218,7 +219,7 @@ func (e *normalEngine) finishNotify(st *bufferState, seq uint64, topo goep.Topol
 
 // RecvPerExpert implements goep.PerExpertCounter: num_recv_tokens_per_expert of the buffer's
 // last notify, the host's copy (no device synchronisation).
-func (e *normalEngine) RecvPerExpert() ([]int32, error) {
+func (e *engine) RecvPerExpert() ([]int32, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.st.perExpert == nil {
@@ -228,10 +229,10 @@ func (e *normalEngine) RecvPerExpert() ([]int32, error) {
 }
 
 // prologueFor launches the barrier and counter reset in front of a cached dispatch or a combine.
-func (e *normalEngine) prologueFor(op int32, st *bufferState, topo goep.Topology, peers []goep.Region, cfg goep.Config) error {
+func (e *engine) prologueFor(op int32, st *bufferState, topo goep.Topology, peers []goep.Region, cfg goep.Config) error {
 	threads := int32(e.opts.NotifyThreads)
-	key := kernelKey{kind: kindNotify, name: namePrologue, ranks: int32(topo.NumNVLRanks), threads: threads}
-	f, err := e.b.kernels.function(e.b, key, func() map[string]string {
+	key := cuda.KernelKey{Kernel: cuda.KernelPrologue, Ranks: int32(topo.NumNVLRanks), Threads: threads}
+	f, err := e.b.Kernel(key, func() map[string]string {
 		return NotifyDefines(topo.NumNVLRanks, int(threads), e.opts.Threads)
 	})
 	if err != nil {

@@ -1,0 +1,43 @@
+package cudanormal
+
+import (
+	"strconv"
+
+	"github.com/pyep/pyep/goep/env"
+)
+
+// debugSync (PYEP_DEBUG_SYNC=1, a debugging aid) makes every launch wait for its kernel and
+// name the kernel that failed.
+var debugSync = env.Sync()
+
+func itoa(n int) string { return strconv.Itoa(n) }
+
+// The constants each kernel variant is compiled with (the engine's choices; exported for tools
+// that fill the kernel cache ahead of time).
+
+// LayoutDefines are layout.cu's for blocks of threads.
+func LayoutDefines(threads int) map[string]string {
+	return map[string]string{"PYEP_LAYOUT_THREADS": itoa(threads), "PYEP_LAYOUT_EXPERTS_PER_BLOCK": itoa(layoutExpertsPerBlock)}
+}
+
+// NotifyDefines are those of notify and the prologue (intranode.cu) for numRanks ranks.
+func NotifyDefines(numRanks, notifyThreads, threads int) map[string]string {
+	return map[string]string{"PYEP_NOTIFY": "", "PYEP_RANKS": itoa(numRanks), "PYEP_NOTIFY_THREADS": itoa(notifyThreads),
+		"PYEP_THREADS": itoa(threads)}
+}
+
+// DispatchDefines are the dispatch kernel's: rows of hiddenBytes (+ scalesBytes of scales),
+// topk indices per token (0 for a cached dispatch), moved as vec-byte vectors.
+func DispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec, threads int) map[string]string {
+	return map[string]string{"PYEP_DISPATCH": "", "PYEP_RANKS": itoa(numRanks), "PYEP_HIDDEN_BYTES": itoa(hiddenBytes),
+		"PYEP_SCALES_BYTES": itoa(scalesBytes), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec), "PYEP_THREADS": itoa(threads)}
+}
+
+// CombineDefines are the combine kernel's: rows of hidden elements of dtype (1 bf16, 2 fp16,
+// 3 fp32), topk weights per row (0 for none), vec-byte vectors.
+func CombineDefines(numRanks, hidden, dtype, topk, vec, threads int) map[string]string {
+	return map[string]string{"PYEP_COMBINE": "", "PYEP_RANKS": itoa(numRanks), "PYEP_HIDDEN": itoa(hidden),
+		"PYEP_DTYPE": itoa(dtype), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec), "PYEP_THREADS": itoa(threads)}
+}
+
+const layoutExpertsPerBlock = 64
