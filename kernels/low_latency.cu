@@ -55,12 +55,9 @@ namespace pyep {
 
 constexpr int kHidden = PYEP_LL_HIDDEN;
 constexpr int kTopk = PYEP_LL_TOPK;
-constexpr bool kFP8 = PYEP_LL_FP8 != 0;
-constexpr bool kRound = PYEP_LL_ROUND != 0;
 constexpr int kThreads = PYEP_LL_THREADS;
 constexpr int kWarps = kThreads / 32;
 constexpr int kScaleBlock = 128;
-constexpr int kMsgHeader = 16;  // int32 source token, 3 reserved
 static_assert(kHidden % kScaleBlock == 0 && kThreads % 32 == 0, "hidden is whole scale blocks");
 
 enum : int { kPhaseSend = 1, kPhaseRecv = 2 };
@@ -147,8 +144,7 @@ PYEP_DEVICE void run_phases(const LLParams& p, Send send, Recv recv) {
     }
 }
 
-// ---- number conversions, bit for bit those of goep/lowlatency (cast.go) ---------------------
-
+// A product rounded to nearest, never fused into an add (goep/lowlatency's casts and sums do the same).
 PYEP_DEVICE float mul_rn(float a, float b) {
 #ifdef PYEP_EMU
     volatile float r = a * b;
@@ -157,6 +153,66 @@ PYEP_DEVICE float mul_rn(float a, float b) {
     return __fmul_rn(a, b);
 #endif
 }
+
+// Where the phases below split their work: a unit is an expert (dispatch send) or an (expert, rank)
+// pair (dispatch receive, combine send); block b takes units b, b + G, b + 2G, ... (G blocks), up
+// to kBatch of them at once: warp 0 settles the batch's waits together (a lane a unit, or a
+// (unit, source) item), then the whole block moves the rows of every unit of the batch as one
+// list, so that a block's units cost about one memory round trip together rather than one each.
+// Every load of a round is issued before its first use (asm volatile loads keep program order,
+// so a load used at once would wait its full latency before the next is issued).
+constexpr int kChunk = 256;  // channels a warp moves per step: 8 per lane (16 B of BF16)
+constexpr int kChunks = (kHidden + kChunk - 1) / kChunk;
+constexpr int kRowUnroll = 4;  // vectors a thread has in flight when a block copies rows (copy.cuh)
+constexpr int kBatch = 8;      // units a block takes at once (at most 32: a lane of warp 0 each)
+static_assert(kBatch <= 32 && kBatch <= kThreads, "a unit of a batch is a lane of warp 0");
+
+// The units of the batch that starts at unit u0 (of n, every G-th), at most kBatch.
+PYEP_DEVICE int batch_units(int u0, int n) {
+    const int G = static_cast<int>(gridDim.x), left = (n - u0 + G - 1) / G;
+    return left < kBatch ? left : kBatch;
+}
+
+// Which unit of a batch item k belongs to, given each unit's first item (first[0] = 0,
+// nondecreasing, first[P] the total).
+PYEP_DEVICE int unit_of(const i32* first, int P, int k) {
+    int i = 0;
+    while (i + 1 < P && first[i + 1] <= k) i++;
+    return i;
+}
+
+// Whether this thread may write into peer dst's half this call: dst unmasked and its
+// acknowledgement of the previous call on the half arrived.
+PYEP_DEVICE bool may_send(const LLParams& p, int dst, u32 seq) {
+    if (masked(p, dst)) return false;
+    if (dst == p.rank || seq <= 1) return true;
+    const u64* ack = reinterpret_cast<const u64*>(local(p) + p.off_ack) + p.half * p.num_ranks + dst;
+    u64 spent;
+    return thread_wait(p, dst, kWaitAck, [&] { return ld_acquire_sys(ack) >= seq - 1; }, spent);
+}
+
+// Warp 0's lane 0 turns the counts n[0..P) into first items (first[i] = the sum of n[<i] times
+// per); the caller syncs the block after.
+PYEP_DEVICE void warp0_prefix(const i32* n, i32* first, int P, int per) {
+    __syncwarp();
+    if (lane_id() == 0) {
+        int f = 0;
+        for (int i = 0; i < P; i++) {
+            first[i] = f;
+            f += n[i] * per;
+        }
+        first[P] = f;
+    }
+}
+
+#if defined(PYEP_LL_DISPATCH)
+
+constexpr bool kFP8 = PYEP_LL_FP8 != 0;
+constexpr bool kRound = PYEP_LL_ROUND != 0;
+constexpr int kMsgHeader = 16;  // a message: int32 source token, 3 reserved, the row, its scales
+constexpr int kCastBatch = 8;   // chunks a warp has in flight when it casts or packs messages
+constexpr bool kUE8M0 = PYEP_LL_UE8M0 != 0;
+constexpr int kScales = kHidden / kScaleBlock;
 
 #ifdef PYEP_EMU
 // e4m3, rounding to nearest even and saturating at 448: the GPU's cvt.rn.satfinite.e4m3x2 (utils.cuh),
@@ -195,43 +251,6 @@ PYEP_DEVICE void fp8_scales(float amax, float& scale, float& inv) {
     }
 }
 
-// Where the phases below split their work: every block takes whole units (an expert, an
-// (expert, rank) pair), and the threads of a block share the unit's rows, so that a unit of a few
-// rows costs about one memory round trip rather than one per row. Every load of a round is issued
-// before its first use (asm volatile loads keep program order, so a load used at once would wait
-// its full latency before the next is issued).
-constexpr int kChunk = 256;  // channels a warp moves per step: 8 per lane (16 B of BF16)
-constexpr int kChunks = (kHidden + kChunk - 1) / kChunk;
-constexpr int kCastBatch = 8;  // chunks a warp has in flight when it casts or packs messages
-constexpr int kRowUnroll = 4;  // vectors a thread has in flight when a block copies rows (copy.cuh)
-
-// Thread 0 decides whether the block may write into peer dst's half this call (dst unmasked and
-// its acknowledgement of the previous call on the half arrived); every thread learns it.
-PYEP_DEVICE bool block_may_send(const LLParams& p, int dst, u32 seq) {
-    PYEP_SHARED(i32, s_may_send, 1);
-    __syncthreads();  // the previous unit's readers are done with s_may_send
-    if (threadIdx.x == 0) {
-        bool ok = !masked(p, dst);
-        if (ok && dst != p.rank && seq > 1) {
-            const u64* ack = reinterpret_cast<const u64*>(local(p) + p.off_ack) + p.half * p.num_ranks + dst;
-            u64 spent;
-            ok = thread_wait(p, dst, kWaitAck, [&] { return ld_acquire_sys(ack) >= seq - 1; }, spent);
-        }
-        s_may_send[0] = ok ? 1 : 0;
-    }
-    __syncthreads();
-    return s_may_send[0] != 0;
-}
-
-// Thread 0 publishes v at word once every thread of the block has made its stores.
-PYEP_DEVICE void block_flag(u64* word, u64 v) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        fence_acq_rel_sys();
-        st_release_sys(word, v);
-    }
-}
-
 // e4m3 of eight floats, packed in channel order.
 PYEP_DEVICE int2 pack_e4m3(const float (&f)[8]) {
     u32 w[2];
@@ -252,28 +271,33 @@ PYEP_DEVICE int2 pack_e4m3(const float (&f)[8]) {
     return out;
 }
 
-// One warp writes its items [it0, it0 + kCastBatch) of n messages: item it is chunk it % kChunks of
-// the message of token tok[it / kChunks], at slots + (first + it / kChunks) messages. Lane l moves
-// channels chunk * 256 + 8 l; with FP8, 16 lanes share a scale block.
-PYEP_DEVICE void put_chunks(const LLParams& p, const i32* tok, int n, int it0, u8* slots, u32 first) {
-    const int lane = lane_id(), items = n * kChunks;
+// One warp writes its items [it0, it0 + kCastBatch) of total: locate(it, tok, msg, ch) says that
+// item it is chunk ch of token tok's message at msg. Lane l moves channels ch * 256 + 8 l; with
+// FP8, 16 lanes share a scale block.
+template <typename Locate>
+PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int total, Locate locate) {
+    const int lane = lane_id();
     const u16* x = reinterpret_cast<const u16*>(p.x);
     int4 in[kCastBatch] = {};
-#pragma unroll
-    for (int b = 0; b < kCastBatch; b++) {
-        const int it = it0 + b, c = (it % kChunks) * kChunk + lane * 8;
-        if (it < items && c < kHidden) in[b] = ld_nc(reinterpret_cast<const int4*>(x + static_cast<i64>(tok[it / kChunks]) * kHidden + c));
-    }
+    i32 tok[kCastBatch];
+    int ch[kCastBatch];
+    u8* msg[kCastBatch];
 #pragma unroll
     for (int b = 0; b < kCastBatch; b++) {
         const int it = it0 + b;
-        if (it >= items) break;  // warp-uniform
-        const int m = it / kChunks, ch = it % kChunks, c = ch * kChunk + lane * 8;
+        tok[b] = 0, ch[b] = 0, msg[b] = nullptr;
+        if (it < total) locate(it, tok[b], msg[b], ch[b]);
+        const int c = ch[b] * kChunk + lane * 8;
+        if (it < total && c < kHidden) in[b] = ld_nc(reinterpret_cast<const int4*>(x + static_cast<i64>(tok[b]) * kHidden + c));
+    }
+#pragma unroll
+    for (int b = 0; b < kCastBatch; b++) {
+        if (it0 + b >= total) break;  // warp-uniform
+        const int c = ch[b] * kChunk + lane * 8;
         const bool on = c < kHidden;
-        u8* msg = slots + static_cast<u64>(first + m) * p.msg_bytes;
-        if (ch == 0 && lane == 0) *reinterpret_cast<i32*>(msg) = tok[m];
+        if (ch[b] == 0 && lane == 0) *reinterpret_cast<i32*>(msg[b]) = tok[b];
         if (!kFP8) {
-            if (on) st_na(reinterpret_cast<int4*>(msg + kMsgHeader + 2 * c), in[b]);
+            if (on) st_na(reinterpret_cast<int4*>(msg[b] + kMsgHeader + 2 * c), in[b]);
             continue;
         }
         float f[8];
@@ -294,124 +318,167 @@ PYEP_DEVICE void put_chunks(const LLParams& p, const i32* tok, int n, int it0, u
         fp8_scales(amax, scale, inv);
 #pragma unroll
         for (int k = 0; k < 8; k++) f[k] = mul_rn(f[k], scale);
-        st_na(reinterpret_cast<int2*>(msg + kMsgHeader + c), pack_e4m3(f));
-        if (lane % 16 == 0) reinterpret_cast<float*>(msg + kMsgHeader + kHidden)[c / kScaleBlock] = inv;
+        st_na(reinterpret_cast<int2*>(msg[b] + kMsgHeader + c), pack_e4m3(f));
+        if (lane % 16 == 0) reinterpret_cast<float*>(msg[b] + kMsgHeader + kHidden)[c / kScaleBlock] = inv;
     }
 }
 
-#if defined(PYEP_LL_DISPATCH)
-
-constexpr bool kUE8M0 = PYEP_LL_UE8M0 != 0;
-constexpr int kScales = kHidden / kScaleBlock;
-
-// Send: a block an expert. The block of expert g (on rank g / L) lists, kThreads tokens at a time
-// and in token order, the tokens that selected g, writes their messages into slots 0, 1, ... of
-// (g % L, this rank) at that rank (its warps share the chunks), then the flag seq << 32 | count.
+// Send: a unit is an expert g (on rank g / L). For a batch of its experts, the block lists, kThreads
+// tokens at a time and in token order, the tokens that selected each, writes their messages into
+// slots 0, 1, ... of (g % L, this rank) at that rank (the warps share the batch's chunks as one
+// list), then each expert's flag seq << 32 | count.
 PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
-    PYEP_SHARED(i32, s_tok, kThreads);
-    PYEP_SHARED(i32, s_warp, kWarps);
-    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32, R = p.num_ranks, E = p.num_experts, L = E / R,
-              T = p.num_tokens;
+    PYEP_SHARED(i32, s_tok, kBatch * kThreads);  // unit i's selecting tokens of the round at [i * kThreads, ...)
+    PYEP_SHARED(i32, s_warp, kBatch * kWarps);   // unit i's selections per warp of the round
+    PYEP_SHARED(i32, s_count, kBatch);           // unit i's selections of the round
+    PYEP_SHARED(i32, s_item, kBatch + 1);        // unit i's first item (message chunk) of the round
+    PYEP_SHARED(i32, s_sent, kBatch);            // unit i's messages before the round
+    PYEP_SHARED(i32, s_ok, kBatch);
+    PYEP_SHARED(u64, s_slots, kBatch);           // unit i's slot 0 at its rank
+    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32, tid = static_cast<int>(threadIdx.x), R = p.num_ranks,
+              E = p.num_experts, L = E / R, T = p.num_tokens, G = static_cast<int>(gridDim.x);
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
-    for (int g = static_cast<int>(blockIdx.x); g < E; g += static_cast<int>(gridDim.x)) {
-        const int dst = g / L, j = g % L;
-        if (!block_may_send(p, dst, seq)) continue;
-        u8* slots = region(p, dst) + p.off_recv + (static_cast<u64>(j) * R + p.rank) * p.max_tokens * p.msg_bytes;
-        u32 n = 0;
+    for (int u0 = static_cast<int>(blockIdx.x); u0 < E; u0 += kBatch * G) {
+        const int P = batch_units(u0, E);
+        __syncthreads();  // the previous batch's readers are done with the shared arrays
+        if (tid < P) {
+            const int g = u0 + tid * G, dst = g / L;
+            s_ok[tid] = may_send(p, dst, seq) ? 1 : 0;
+            s_sent[tid] = 0;
+            s_slots[tid] = reinterpret_cast<u64>(region(p, dst) + p.off_recv +
+                                                 (static_cast<u64>(g % L) * R + p.rank) * p.max_tokens * p.msg_bytes);
+        }
+        __syncthreads();
         for (int t0 = 0; t0 < T; t0 += kThreads) {
-            const int t = t0 + static_cast<int>(threadIdx.x);
-            bool sel = false;
-            if (t < T) {
-                i64 e[kTopk];
+            const int t = t0 + tid;
+            i64 e[kTopk];
 #pragma unroll
-                for (int k = 0; k < kTopk; k++) e[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
+            for (int k = 0; k < kTopk; k++) e[k] = t < T ? ld_nc(idx + static_cast<i64>(t) * kTopk + k) : -1;
+            u32 ballot[kBatch];
+#pragma unroll
+            for (int i = 0; i < kBatch; i++) {
+                ballot[i] = 0;
+                if (i >= P) continue;  // block-uniform
+                const int g = u0 + i * G;
+                bool sel = false;
 #pragma unroll
                 for (int k = 0; k < kTopk; k++) sel |= e[k] == g;
+                ballot[i] = __ballot_sync(0xffffffffu, sel && s_ok[i] != 0);
+                if (lane == 0) s_warp[i * kWarps + warp] = __popc(ballot[i]);
             }
-            const u32 ballot = __ballot_sync(0xffffffffu, sel);
-            __syncthreads();  // the previous round's readers are done with s_warp and s_tok
-            if (lane == 0) s_warp[warp] = __popc(ballot);
             __syncthreads();
-            int before = 0, count = 0;
-            for (int w = 0; w < kWarps; w++) {
-                const int c = s_warp[w];
-                if (w < warp) before += c;
-                count += c;
+#pragma unroll
+            for (int i = 0; i < kBatch; i++) {
+                if (i >= P) continue;
+                int before = 0, count = 0;
+                for (int w = 0; w < kWarps; w++) {
+                    const int c = s_warp[i * kWarps + w];
+                    if (w < warp) before += c;
+                    count += c;
+                }
+                if ((ballot[i] >> lane) & 1u) s_tok[i * kThreads + before + __popc(ballot[i] & ((1u << lane) - 1u))] = t;
+                if (tid == 0) s_count[i] = count;
             }
-            if (sel) s_tok[before + __popc(ballot & ((1u << lane) - 1u))] = t;
+            if (tid < 32) warp0_prefix(s_count, s_item, P, kChunks);
             __syncthreads();
-            for (int it0 = warp * kCastBatch; it0 < count * kChunks; it0 += kWarps * kCastBatch)
-                put_chunks(p, s_tok, count, it0, slots, n);
-            n += static_cast<u32>(count);
+            const int total = s_item[P];
+            for (int it0 = warp * kCastBatch; it0 < total; it0 += kWarps * kCastBatch)
+                put_chunks(p, it0, total, [&](int it, i32& tok, u8*& msg, int& ch) {
+                    const int i = unit_of(s_item, P, it), m = (it - s_item[i]) / kChunks;
+                    ch = (it - s_item[i]) % kChunks;
+                    tok = s_tok[i * kThreads + m];
+                    msg = reinterpret_cast<u8*>(s_slots[i]) + static_cast<u64>(s_sent[i] + m) * p.msg_bytes;
+                });
+            __syncthreads();  // every warp is done with the round's lists
+            if (tid < P) s_sent[tid] += s_count[tid];
         }
-        block_flag(reinterpret_cast<u64*>(region(p, dst) + p.off_dflags) + j * R + p.rank, static_cast<u64>(seq) << 32 | n);
+        __syncthreads();
+        if (tid < P && s_ok[tid] != 0) {
+            const int g = u0 + tid * G;
+            fence_acq_rel_sys();  // the block's messages (ordered before this by the barrier) reach dst first
+            st_release_sys(reinterpret_cast<u64*>(region(p, g / L) + p.off_dflags) + (g % L) * R + p.rank,
+                           static_cast<u64>(seq) << 32 | static_cast<u32>(s_sent[tid]));
+        }
     }
 }
 
-// Receive: a block a pair (local expert j, source s). Warp 0 waits for the flags of s and of the
-// sources before it (its rows follow theirs); then the block unpacks the pair's rows.
+// Receive: a unit is a pair (local expert j, source s); its rows follow those of the sources before
+// s. For a batch of pairs, warp 0 waits for the flags (a lane a (pair, source) item), then the
+// block unpacks every pair's rows, source tokens and scales.
 PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
-    PYEP_SHARED(i64, s_range, 2);
-    const int lane = lane_id(), R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens;
+    PYEP_SHARED(i32, s_begin, kBatch);  // pair i's first row in j's rows
+    PYEP_SHARED(i32, s_n, kBatch);      // pair i's rows
+    PYEP_SHARED(i32, s_row, kBatch + 1);
+    const int lane = lane_id(), R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens, G = static_cast<int>(gridDim.x);
     const int tid = static_cast<int>(threadIdx.x);
     const i64 RM = static_cast<i64>(R) * M;
     const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_dflags);
-    for (int pair = static_cast<int>(blockIdx.x); pair < L * R; pair += static_cast<int>(gridDim.x)) {
-        const int j = pair / R, s = pair % R;
-        __syncthreads();  // the previous pair's readers are done with s_range
+    const u8* recv = local(p) + p.off_recv;
+    constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
+    for (int u0 = static_cast<int>(blockIdx.x); u0 < L * R; u0 += kBatch * G) {
+        const int P = batch_units(u0, L * R);
+        __syncthreads();  // the previous batch's readers are done with the shared arrays
+        if (tid < P) s_begin[tid] = 0, s_n[tid] = 0;
+        __syncthreads();
         if (tid < 32) {
-            // Lane r learns the count of source r (0 when masked or timed out); a source's wait is
+            // Item c: source r's count for pair i (0 when masked or timed out); a source's wait is
             // charged to it.
-            i64 begin = 0, n = 0;
-            for (int r0 = 0; r0 <= s; r0 += 32) {
-                const int r = r0 + lane;
-                i64 c = 0;
-                if (r <= s && !masked(p, r)) {
-                    const u64* f = flags + j * R + r;
-                    u64 v = 0, spent;
-                    if (thread_wait(p, r, kWaitDispatch, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; },
-                                    spent))
-                        c = static_cast<u32>(v);
-                    if (r == s && p.wait_stats != 0)
-                        atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s, static_cast<unsigned long long>(spent));
-                }
-                if (r < s) begin += c;
-                if (r == s) n = c;
+            for (int c = lane; c < P * R; c += 32) {
+                const int i = c / R, r = c % R, pair = u0 + i * G, j = pair / R, s = pair % R;
+                if (r > s || masked(p, r)) continue;
+                const u64* f = flags + j * R + r;
+                u64 v = 0, spent;
+                const bool ok =
+                    thread_wait(p, r, kWaitDispatch, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; }, spent);
+                if (r == s && p.wait_stats != 0)
+                    atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s, static_cast<unsigned long long>(spent));
+                const int n = ok ? static_cast<int>(static_cast<u32>(v)) : 0;
+                if (r < s) atomicAdd(s_begin + i, n);
+                else s_n[i] = n < M ? n : M;
             }
-            begin = warp_sum(begin);
-            n = warp_sum(n);
-            if (lane == 0) {
-                s_range[0] = begin;
-                s_range[1] = n;
-            }
+            warp0_prefix(s_n, s_row, P, 1);
         }
         __syncthreads();
-        const i64 begin = s_range[0], n = s_range[1] < M ? s_range[1] : M;
-        const u8* slots = local(p) + p.off_recv + (static_cast<u64>(j) * R + s) * M * p.msg_bytes;
-        const i64 first = j * RM + begin;
-        constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
+        const int N = s_row[P];
+        // Row k of the batch is row k - s_row[i] of pair i.
+        auto slot = [&](int k, int& i) {
+            i = unit_of(s_row, P, k);
+            const int pair = u0 + i * G;
+            return recv + (static_cast<u64>(pair / R) * R + pair % R) * M * p.msg_bytes + static_cast<u64>(k - s_row[i]) * p.msg_bytes;
+        };
+        auto out_row = [&](int k, int i) { return ((u0 + i * G) / R) * RM + s_begin[i] + (k - s_row[i]); };
         block_copy_rows<int4, kRowUnroll, true, kRowBytes / 16>(
-            static_cast<int>(n), [&](int i) { return reinterpret_cast<const int4*>(slots + i * p.msg_bytes + kMsgHeader); },
-            [&](int i) { return reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + (first + i) * kRowBytes); });
-        for (int i = tid; i < n; i += kThreads)
-            reinterpret_cast<i32*>(p.src_info)[first + i] = ld_ring(reinterpret_cast<const i32*>(slots + i * p.msg_bytes));
-        if (kFP8 && n > 0) {
-            // Token fastest, so that the column-major scales are written in runs.
+            N, [&](int k) { int i; return reinterpret_cast<const int4*>(slot(k, i) + kMsgHeader); },
+            [&](int k) {
+                const int i = unit_of(s_row, P, k);
+                return reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + out_row(k, i) * kRowBytes);
+            });
+        for (int k = tid; k < N; k += kThreads) {
+            int i;
+            const u8* m = slot(k, i);
+            reinterpret_cast<i32*>(p.src_info)[out_row(k, i)] = ld_ring(reinterpret_cast<const i32*>(m));
+        }
+        if (kFP8) {
+            // Row fastest, so that the column-major scales are written in runs.
             constexpr int kCols = kUE8M0 ? (kScales + 3) / 4 : kScales;
-            for (int q = tid; q < n * kCols; q += kThreads) {
-                const int i = static_cast<int>(q % n), w = static_cast<int>(q / n);
-                const float* sc = reinterpret_cast<const float*>(slots + i * p.msg_bytes + kMsgHeader + kHidden);
+            for (int q = tid; q < N * kCols; q += kThreads) {
+                const int k = q % N, w = q / N;
+                int i;
+                const float* sc = reinterpret_cast<const float*>(slot(k, i) + kMsgHeader + kHidden);
+                const i64 at = (static_cast<i64>((u0 + i * G) / R) * kCols + w) * RM + s_begin[i] + (k - s_row[i]);
                 if (kUE8M0) {
                     u32 word = 0;
                     for (int b = 0; b < 4 && 4 * w + b < kScales; b++)
                         word |= ((__float_as_uint(ld_ring(sc + 4 * w + b)) >> 23) & 0xffu) << (8 * b);
-                    reinterpret_cast<u32*>(p.recv_scales)[(static_cast<i64>(j) * kCols + w) * RM + begin + i] = word;
+                    reinterpret_cast<u32*>(p.recv_scales)[at] = word;
                 } else {
-                    reinterpret_cast<float*>(p.recv_scales)[(static_cast<i64>(j) * kCols + w) * RM + begin + i] = ld_ring(sc + w);
+                    reinterpret_cast<float*>(p.recv_scales)[at] = ld_ring(sc + w);
                 }
             }
         }
-        if (tid == 0) {
+        if (tid < P) {
+            const int pair = u0 + tid * G, j = pair / R, s = pair % R;
+            const i64 begin = s_begin[tid], n = s_n[tid];
             reinterpret_cast<i64*>(p.layout_range)[j * R + s] = begin << 32 | n;
             if (s == R - 1) {
                 reinterpret_cast<i32*>(p.count)[j] = static_cast<i32>(begin + n);
@@ -437,30 +504,65 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch(const LLParams p) { run_
 
 #if defined(PYEP_LL_COMBINE)
 
-// Send: a block a pair (local expert j, destination d): it returns j's rows from d, each into the
-// slot (this rank's global expert, token) of d's recv area, then flags it.
+// Send: a unit is a pair (local expert j, destination d): j's rows from d go back, each into the slot
+// (this rank's global expert, token) of d's recv area, then the pair's flag. A batch's pairs are
+// admitted by warp 0 (a lane each) and copied by the block as one list.
 PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
-    const int R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens;
+    PYEP_SHARED(i32, s_n, kBatch);     // pair i's rows (0 when it may not send)
+    PYEP_SHARED(i32, s_row, kBatch + 1);
+    PYEP_SHARED(i64, s_first, kBatch);  // pair i's first row of x
+    PYEP_SHARED(i32, s_ok, kBatch);
+    PYEP_SHARED(u64, s_slots, kBatch);  // pair i's area at d
+    const int R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens, G = static_cast<int>(gridDim.x);
+    const int tid = static_cast<int>(threadIdx.x);
     const i64 RM = static_cast<i64>(R) * M;
     const u16* rows = p.zero_copy ? reinterpret_cast<const u16*>(local(p) + p.off_send) : reinterpret_cast<const u16*>(p.x);
     const i32* src_info = reinterpret_cast<const i32*>(p.src_info);
-    for (int pair = static_cast<int>(blockIdx.x); pair < L * R; pair += static_cast<int>(gridDim.x)) {
-        const int j = pair / R, d = pair % R;
-        if (!block_may_send(p, d, seq)) continue;
-        const i64 v = reinterpret_cast<const i64*>(p.layout_range)[j * R + d];
-        const i64 first = j * RM + (v >> 32);
-        const int n = static_cast<i32>(v & 0xffffffff), g = p.rank * L + j;
-        u8* slots = region(p, d) + p.off_recv + static_cast<u64>(g) * M * (2 * kHidden);
+    for (int u0 = static_cast<int>(blockIdx.x); u0 < L * R; u0 += kBatch * G) {
+        const int P = batch_units(u0, L * R);
+        __syncthreads();  // the previous batch's readers are done with the shared arrays
+        if (tid < 32) {
+            if (tid < P) {
+                const int pair = u0 + tid * G, j = pair / R, d = pair % R;
+                const bool ok = may_send(p, d, seq);
+                const i64 v = reinterpret_cast<const i64*>(p.layout_range)[j * R + d];
+                s_ok[tid] = ok ? 1 : 0;
+                s_n[tid] = ok ? static_cast<i32>(v & 0xffffffff) : 0;
+                s_first[tid] = j * RM + (v >> 32);
+                s_slots[tid] = reinterpret_cast<u64>(region(p, d) + p.off_recv + static_cast<u64>(p.rank * L + j) * M * (2 * kHidden));
+            }
+            warp0_prefix(s_n, s_row, P, 1);
+        }
+        __syncthreads();
         block_copy_rows<int4, kRowUnroll, false, kHidden / 8>(
-            n, [&](int i) { return reinterpret_cast<const int4*>(rows + (first + i) * kHidden); },
-            [&](int i) { return reinterpret_cast<int4*>(slots + static_cast<u64>(ld_nc(src_info + first + i)) * (2 * kHidden)); });
-        block_flag(reinterpret_cast<u64*>(region(p, d) + p.off_cflags) + g, static_cast<u64>(seq) << 32 | 1u);
+            s_row[P],
+            [&](int k) {
+                const int i = unit_of(s_row, P, k);
+                return reinterpret_cast<const int4*>(rows + (s_first[i] + k - s_row[i]) * kHidden);
+            },
+            [&](int k) {
+                const int i = unit_of(s_row, P, k);
+                return reinterpret_cast<int4*>(reinterpret_cast<u8*>(s_slots[i]) +
+                                               static_cast<u64>(ld_nc(src_info + s_first[i] + k - s_row[i])) * (2 * kHidden));
+            });
+        __syncthreads();
+        if (tid < P && s_ok[tid] != 0) {
+            const int pair = u0 + tid * G;
+            fence_acq_rel_sys();  // the block's rows (ordered before this by the barrier) reach d first
+            st_release_sys(reinterpret_cast<u64*>(region(p, pair % R) + p.off_cflags) + p.rank * L + pair / R,
+                           static_cast<u64>(seq) << 32 | 1u);
+        }
     }
 }
 
-// Receive: every block waits for every unmasked expert's flag (a thread each); then each warp of
-// the grid takes (token, chunk) items and sums the chunk's rows in top-k order.
+// Receive: every block waits for every unmasked expert's flag (a thread each); the threads that
+// waited acquired the rows, and the barrier orders the block's reads after them. Then each warp
+// of the grid takes (token, kCombineGroup chunks) items and sums each chunk's rows in top-k order.
+constexpr int kCombineGroup = 2;  // chunks an item sums: a token's indices and weights are loaded once for them
+constexpr int kGroups = (kChunks + kCombineGroup - 1) / kCombineGroup;
+constexpr int kMaskCache = 64;  // ranks whose mask the block keeps in shared memory
 PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
+    PYEP_SHARED(i32, s_mask, kMaskCache);
     const int lane = lane_id(), R = p.num_ranks, E = p.num_experts, L = E / R, M = p.max_tokens;
     const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_cflags);
     for (int g = static_cast<int>(threadIdx.x); g < E; g += kThreads) {
@@ -471,49 +573,60 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
         if (blockIdx.x == 0 && p.wait_stats != 0)
             atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s, static_cast<unsigned long long>(spent));
     }
+    __syncthreads();  // every wait is over: the masks are final for the call
+    for (int r = static_cast<int>(threadIdx.x); r < R && r < kMaskCache; r += kThreads) s_mask[r] = masked(p, r) ? 1 : 0;
     __syncthreads();
-    fence_acq_rel_sys();
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
     const float* wts = reinterpret_cast<const float*>(p.topk_weights);
     const u8* slots = local(p) + p.off_recv;
     const int nw = static_cast<int>(gridDim.x) * kWarps;
-    for (int it = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32; it < p.num_tokens * kChunks;
+    for (int it = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32; it < p.num_tokens * kGroups;
          it += nw) {
-        const int t = it / kChunks, c = (it % kChunks) * kChunk + lane * 8;
+        const int t = it / kGroups, c0 = (it % kGroups) * kCombineGroup * kChunk + lane * 8;
         i64 g[kTopk];
         float w[kTopk];
-        i32 off[kTopk];
 #pragma unroll
         for (int k = 0; k < kTopk; k++) g[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
 #pragma unroll
         for (int k = 0; k < kTopk; k++) w[k] = ld_nc(wts + static_cast<i64>(t) * kTopk + k);
+        bool on[kTopk];
 #pragma unroll
         for (int k = 0; k < kTopk; k++) {
-            if (g[k] >= E) g[k] = -1;
-            off[k] = g[k] >= 0 ? ld_volatile(reinterpret_cast<const i32*>(local(p) + p.off_mask) + g[k] / L) : 1;
+            const int s = g[k] >= 0 && g[k] < E ? static_cast<int>(g[k] / L) : -1;
+            on[k] = s >= 0 && (s < kMaskCache ? s_mask[s] : (masked(p, s) ? 1 : 0)) == 0;
         }
-        if (c >= kHidden) continue;
-        int4 v[kTopk];
+        int4 v[kCombineGroup][kTopk];
 #pragma unroll
-        for (int k = 0; k < kTopk; k++)
-            if (off[k] == 0) v[k] = ld_ring(reinterpret_cast<const int4*>(slots + (static_cast<u64>(g[k]) * M + t) * (2 * kHidden)) + c / 8);
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int q = 0; q < kCombineGroup; q++) {
+            const int c = c0 + q * kChunk;
 #pragma unroll
-        for (int k = 0; k < kTopk; k++) {
-            if (off[k] != 0) continue;
-            const u32 words[4] = {static_cast<u32>(v[k].x), static_cast<u32>(v[k].y), static_cast<u32>(v[k].z), static_cast<u32>(v[k].w)};
+            for (int k = 0; k < kTopk; k++)
+                if (on[k] && c < kHidden)
+                    v[q][k] = ld_ring(reinterpret_cast<const int4*>(slots + (static_cast<u64>(g[k]) * M + t) * (2 * kHidden)) + c / 8);
+        }
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                acc[2 * q] += mul_rn(bf16_to_float(static_cast<u16>(words[q] & 0xffffu)), w[k]);
-                acc[2 * q + 1] += mul_rn(bf16_to_float(static_cast<u16>(words[q] >> 16)), w[k]);
+        for (int q = 0; q < kCombineGroup; q++) {
+            const int c = c0 + q * kChunk;
+            if (c >= kHidden) continue;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+            for (int k = 0; k < kTopk; k++) {
+                if (!on[k]) continue;
+                const u32 words[4] = {static_cast<u32>(v[q][k].x), static_cast<u32>(v[q][k].y), static_cast<u32>(v[q][k].z),
+                                      static_cast<u32>(v[q][k].w)};
+#pragma unroll
+                for (int h = 0; h < 4; h++) {
+                    acc[2 * h] += mul_rn(bf16_to_float(static_cast<u16>(words[h] & 0xffffu)), w[k]);
+                    acc[2 * h + 1] += mul_rn(bf16_to_float(static_cast<u16>(words[h] >> 16)), w[k]);
+                }
             }
+            int4 o;
+            o.x = static_cast<int>(static_cast<u32>(float_to_bf16(acc[0])) | static_cast<u32>(float_to_bf16(acc[1])) << 16);
+            o.y = static_cast<int>(static_cast<u32>(float_to_bf16(acc[2])) | static_cast<u32>(float_to_bf16(acc[3])) << 16);
+            o.z = static_cast<int>(static_cast<u32>(float_to_bf16(acc[4])) | static_cast<u32>(float_to_bf16(acc[5])) << 16);
+            o.w = static_cast<int>(static_cast<u32>(float_to_bf16(acc[6])) | static_cast<u32>(float_to_bf16(acc[7])) << 16);
+            st_na(reinterpret_cast<int4*>(reinterpret_cast<u16*>(p.out) + static_cast<i64>(t) * kHidden + c), o);
         }
-        int4 o;
-        o.x = static_cast<int>(static_cast<u32>(float_to_bf16(acc[0])) | static_cast<u32>(float_to_bf16(acc[1])) << 16);
-        o.y = static_cast<int>(static_cast<u32>(float_to_bf16(acc[2])) | static_cast<u32>(float_to_bf16(acc[3])) << 16);
-        o.z = static_cast<int>(static_cast<u32>(float_to_bf16(acc[4])) | static_cast<u32>(float_to_bf16(acc[5])) << 16);
-        o.w = static_cast<int>(static_cast<u32>(float_to_bf16(acc[6])) | static_cast<u32>(float_to_bf16(acc[7])) << 16);
-        st_na(reinterpret_cast<int4*>(reinterpret_cast<u16*>(p.out) + static_cast<i64>(t) * kHidden + c), o);
     }
 }
 

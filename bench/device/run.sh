@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The GPU runs behind bench/results/: pyep's suite, DeepEP V1's own tests (on pyep and on DeepEP), and the
+# bench with DeepEP and NCCL beside pyep, on a host with one or more GPUs. Run from the repository root.
+#
+# Usage: bench/device/run.sh STAGE [STAGE...]
+#   setup            pip install . (pyep); start building DeepEP V1 from $DEEPEP_SRC in /tmp/deepep (background)
+#   suite:N[:mps]    PYEP_TEST_DEVICE=cuda torchrun --nproc-per-node N -m pytest tests (ranks share GPUs when N
+#                    exceeds them; ":mps" starts the CUDA MPS daemon for the stage; SUITE_TESTS picks tests;
+#                    each rank's output is kept apart in suite-N-ranks/)
+#   deepep-tests:N   DeepEP's tests/test_intranode.py and test_low_latency.py, unmodified, --num-processes N:
+#                    on pyep (bench/deepep/run_deepep_test.sh), then on DeepEP itself
+#   bench:N          python -m pyep.bench --quick with N ranks: pyep, NCCL's baseline, and DeepEP when it built
+#   ll-bench:N       python -m pyep.bench --quick --ll with N ranks (pyep and DeepEP)
+# Environment: DEEPEP_SRC (default .deepep: DeepEP V1's source, git archive 9249c25), RES (logs, default
+# /tmp/res), OUT (where res.tgz, all of RES, is written after every stage: the device tool's folder), STAGE_TIMEOUT (seconds a
+# stage may take, default 420). Every stage's output goes to $RES/<stage>.log; a failed stage does not stop
+# the next; the exit status is the number of failed stages.
+set -uo pipefail
+
+RES=${RES:-/tmp/res}
+DEEPEP_SRC=${DEEPEP_SRC:-.deepep}
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}
+mkdir -p "$RES"
+export RES DEEPEP_SRC
+root=$(pwd)
+failed=0
+
+mps_on() {
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d
+}
+mps_off() {
+    echo quit | nvidia-cuda-mps-control 2>/dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    sleep 1
+}
+
+deepep_ready() {  # waits for the background build; true when DeepEP imports
+    [ -f /tmp/deepep-build.pid ] && while kill -0 "$(cat /tmp/deepep-build.pid)" 2>/dev/null; do sleep 2; done
+    (cd /tmp && PYTHONPATH=/tmp/deepep python3 -c 'import deep_ep, deep_ep_cpp' 2>/dev/null)
+}
+
+setup() {
+    nvidia-smi topo -m
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    git log -1 --format='pyep at %H %s' 2>/dev/null
+    if [ -d "$DEEPEP_SRC" ]; then
+        rm -rf /tmp/deepep && cp -r "$DEEPEP_SRC" /tmp/deepep
+        (cd /tmp/deepep && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 CPLUS_INCLUDE_PATH=/usr/local/cuda/include/cccl \
+            NVCC_APPEND_FLAGS=-I/usr/local/cuda/include/cccl python3 setup.py build_ext --inplace \
+            >"$RES/deepep-build.log" 2>&1) &
+        echo $! >/tmp/deepep-build.pid
+        echo "building DeepEP from $DEEPEP_SRC in the background ($RES/deepep-build.log)"
+    else
+        echo "no DeepEP source at $DEEPEP_SRC: DeepEP is not built"
+    fi
+    python3 -m pip install --no-build-isolation --no-deps -q .
+}
+
+suite() {  # N [mps]
+    [ "${2:-}" = mps ] && mps_on
+    # Each rank's output also goes to its own file (torchrun --log-dir): the ranks' progress lines interleave.
+    PYEP_TEST_DEVICE=cuda torchrun --nproc-per-node "$1" --log-dir "$RES/suite-$1${2:+-$2}-ranks" --redirects 3 --tee 3 \
+        -m pytest -q -rfE -p no:cacheprovider ${SUITE_TESTS:-tests}
+    local rc=$?
+    [ "${2:-}" = mps ] && mps_off
+    return $rc
+}
+
+deepep_tests() {  # N
+    local rc=0 t
+    for t in test_intranode.py test_low_latency.py; do
+        timeout 300 bench/deepep/run_deepep_test.sh /tmp/deepep/tests "$RES/pyep-$t-$1.log" "$t" --num-processes "$1" \
+            >/dev/null || rc=1
+        tail -n 25 "$RES/pyep-$t-$1.log"
+    done
+    if deepep_ready; then
+        for t in test_intranode.py test_low_latency.py; do
+            echo "== DeepEP V1 itself: $t --num-processes $1"
+            (cd /tmp/deepep/tests && PYTHONPATH=/tmp/deepep timeout 300 python3 "$t" --num-processes "$1") >"$RES/deepep-$t-$1.log" 2>&1 || rc=1
+            tail -n 25 "$RES/deepep-$t-$1.log"
+        done
+    else
+        echo "DeepEP did not build: see deepep-build.log"; tail -n 20 "$RES/deepep-build.log"; rc=1
+    fi
+    return $rc
+}
+
+bench_run() {  # N extra-args...
+    local n=$1; shift
+    deepep_ready || echo "DeepEP did not build: the bench records why its column is missing"
+    PYTHONPATH=/tmp/deepep:${PYTHONPATH:-} python3 -m pyep.bench --quick --nprocs "$n" --out "$RES/bench-$n$*" "$@" | tr -d '\r'
+}
+
+for stage in "$@"; do
+    IFS=: read -r name a b <<<"$stage"
+    log="$RES/$(echo "$stage" | tr ':' '-').log"
+    echo "=== $stage ($(date +%T)) -> $log"
+    start=$SECONDS
+    case $name in
+        setup) setup ;;
+        suite) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f suite mps_on mps_off); suite $a ${b:-}" ;;
+        deepep-tests) deepep_tests "$a" ;;
+        bench) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f bench_run deepep_ready); bench_run $a" ;;
+        ll-bench) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f bench_run deepep_ready); bench_run $a --ll" ;;
+        *) echo "unknown stage $stage"; false ;;
+    esac > >(tee "$log") 2>&1
+    rc=$?
+    echo "=== $stage: exit $rc after $((SECONDS - start)) s" | tee -a "$RES/stages.txt"
+    [ $rc -eq 0 ] || failed=$((failed + 1))
+    cd "$root"
+    # After every stage, so that a run cut short still brings back what it did.
+    [ -n "${OUT:-}" ] && tar -czf "$OUT/res.tgz" -C "$(dirname "$RES")" "$(basename "$RES")"
+done
+exit $failed
