@@ -48,6 +48,12 @@ func newDomain(t *testing.T, R int, nvlBytes int64) []*rankEnv {
 	return newDomainWith(t, R, nvlBytes, emu.Options())
 }
 
+// emuWaitTimeout bounds the emulated kernels' waits on peers. Each emulated GPU thread is a host
+// thread, and the waiting ones spin: under `go test ./...` on two cores, a four-rank case once
+// returned combine rows its kernel had not written, with no error at the call, in 32 s instead of
+// 12: most likely a wait starved past the 20 s this was, whose timeout only the next call reports.
+const emuWaitTimeout = 90 * time.Second
+
 func newDomainWith(t *testing.T, R int, nvlBytes int64, opts cuda.NormalOptions) []*rankEnv {
 	return newDomainOf(t, R, nvlBytes, opts, false)
 }
@@ -61,7 +67,7 @@ func newDomainOf(t *testing.T, R int, nvlBytes int64, opts cuda.NormalOptions, u
 	handles := make([][]byte, R)
 	for r := range envs {
 		d := fake.New(fake.Config{World: w, Devices: 8, MemBytes: 1 << 30, Guard: os.Getenv("PYEP_EMU_NOGUARD") == "", Fabric: useFabric})
-		be, err := cuda.NewBackend(d, r, cuda.BackendOptions{Timeout: 20 * time.Second, NVLink: allLinks{}, Process: fmt.Sprint("rank", r)})
+		be, err := cuda.NewBackend(d, r, cuda.BackendOptions{Timeout: emuWaitTimeout, NVLink: allLinks{}, Process: fmt.Sprint("rank", r)})
 		require.NoError(t, err)
 		be.SetNormalOptions(opts)
 		buf, err := goep.NewBuffer(goep.Params{Rank: r, NumRanks: R, NumNVLBytes: nvlBytes, UseFabric: useFabric, Engines: engines}, be)
@@ -222,7 +228,7 @@ func refDomain(R int, numBytes int64) []*normal.Domain {
 	}
 	doms := make([]*normal.Domain, R)
 	for r := range doms {
-		doms[r] = &normal.Domain{Rank: r, NumRanks: R, Buffers: bufs, Controls: ctls, NumBytes: numBytes, Timeout: 20 * time.Second}
+		doms[r] = &normal.Domain{Rank: r, NumRanks: R, Buffers: bufs, Controls: ctls, NumBytes: numBytes, Timeout: emuWaitTimeout}
 	}
 	return doms
 }
