@@ -11,6 +11,8 @@
 #                    on pyep (bench/deepep/run_deepep_test.sh), then on DeepEP itself
 #   bench:N          python -m pyep.bench --quick with N ranks: pyep, NCCL's baseline, and DeepEP when it built
 #   ll-bench:N       python -m pyep.bench --quick --ll with N ranks (pyep and DeepEP)
+#   ncu-ll:N         Nsight Compute over pyep's hooked low-latency kernels (bench/device/ll_profile.py, each
+#                    kernel alone), compiled with -lineinfo: $RES/ncu-ll.ncu-rep and a summary
 # Environment: DEEPEP_SRC (default .deepep: DeepEP V1's source, git archive 9249c25), RES (logs, default
 # /tmp/res), OUT (where res.tgz, all of RES, is written after every stage: the device tool's folder), STAGE_TIMEOUT (seconds a
 # stage may take, default 420). Every stage's output goes to $RES/<stage>.log; a failed stage does not stop
@@ -92,6 +94,15 @@ bench_run() {  # N extra-args...
     PYTHONPATH=/tmp/deepep:${PYTHONPATH:-} python3 -m pyep.bench --quick --nprocs "$n" --out "$RES/bench-$n$*" "$@" | tr -d '\r'
 }
 
+ncu_ll() {  # N
+    PYEP_JIT_FLAGS=-lineinfo PYEP_JIT_CACHE_DIR=/tmp/pyep-lineinfo PYEP_TIMEOUT_S=300 \
+        ncu --target-processes all -k regex:'dispatch|combine' --launch-skip 8 --launch-count 8 --set full \
+        --import-source yes -f -o "$RES/ncu-ll" torchrun --nproc-per-node "$1" bench/device/ll_profile.py || return
+    ncu --import "$RES/ncu-ll.ncu-rep" --page details --csv >"$RES/ncu-ll-details.csv"
+    ncu --import "$RES/ncu-ll.ncu-rep" --page details |
+        grep -E 'pyep|Duration|Elapsed Cycles|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Grid Size|Block Size|Stall|Warp Cycles Per Issued'
+}
+
 for stage in "$@"; do
     IFS=: read -r name a b <<<"$stage"
     log="$RES/$(echo "$stage" | tr ':' '-').log"
@@ -103,6 +114,7 @@ for stage in "$@"; do
         deepep-tests) deepep_tests "$a" ;;
         bench) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f bench_run deepep_ready); bench_run $a" ;;
         ll-bench) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f bench_run deepep_ready); bench_run $a --ll" ;;
+        ncu-ll) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f ncu_ll); ncu_ll $a" ;;
         *) echo "unknown stage $stage"; false ;;
     esac > >(tee "$log") 2>&1
     rc=$?
