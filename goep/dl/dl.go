@@ -1,9 +1,10 @@
 //go:build cgo
 
 // Package dl opens a shared library with dlopen and resolves a table of its entry points: the
-// one dlopen layer under the CUDA driver binding (goep/cuda) and NVRTC (goep/jit), and the one
-// nvJitLink and NVSHMEM will use. A binding keeps its table of names and its function pointers
-// in its own C code and fills the pointers from Library.Addrs.
+// one dlopen layer under the CUDA driver binding (goep/cuda/driver), NVRTC and nvJitLink
+// (goep/jit) and NVSHMEM's host library (goep/nvshmem). A binding keeps its table of names and
+// its function pointers in its own C code and fills the pointers from Library.Addrs.
+// SitePackages is where those bindings look for NVIDIA's Python wheels.
 package dl
 
 /*

@@ -3,8 +3,8 @@ package jit
 import (
 	"path/filepath"
 	"sort"
-	"strings"
 
+	"github.com/pyep/pyep/goep/dl"
 	"github.com/pyep/pyep/goep/env"
 )
 
@@ -30,7 +30,7 @@ func Candidates(getenv func(string) string) []string {
 		return []string{p}
 	}
 	var dirs []string
-	for _, sp := range sitePackages(getenv) {
+	for _, sp := range dl.SitePackages(getenv) {
 		for _, d := range nvidiaLibDirs {
 			dirs = append(dirs, filepath.Join(sp, d))
 		}
@@ -55,20 +55,4 @@ func Candidates(getenv func(string) string) []string {
 		}
 	}
 	return append(out, "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
-}
-
-func sitePackages(getenv func(string) string) []string {
-	var out []string
-	for _, sp := range strings.Split(getenv(env.SitePackages), ":") {
-		if sp != "" {
-			out = append(out, sp)
-		}
-	}
-	for _, env := range []string{"VIRTUAL_ENV", "CONDA_PREFIX"} {
-		if prefix := getenv(env); prefix != "" {
-			matches, _ := filepath.Glob(filepath.Join(prefix, "lib", "python3*", "site-packages"))
-			out = append(out, matches...)
-		}
-	}
-	return out
 }
