@@ -34,6 +34,10 @@ type keyInput struct {
 	// flags is the complete command line but for file names: arch, -D defines, options.
 	flags []string
 	src   Source
+	// files are the identities of inputs read from disk rather than carried in src (a linked
+	// kernel's include directories and device libraries); nil for every other compile, whose
+	// keys are then those this recipe has always made.
+	files []string
 }
 
 // cacheKey is the hex SHA-256 of in. Each part is length-prefixed so that no two different
@@ -59,6 +63,12 @@ func cacheKey(in keyInput) string {
 	for _, hd := range in.src.Headers {
 		put(hd.Name)
 		put(hd.Text)
+	}
+	if in.files != nil {
+		put(fmt.Sprint(len(in.files)))
+		for _, f := range in.files {
+			put(f)
+		}
 	}
 	return hex.EncodeToString(h.Sum(nil))
 }

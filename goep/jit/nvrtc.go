@@ -15,18 +15,26 @@ package jit
 typedef int nvrtcResult;
 typedef void* nvrtcProgram;
 
+// NV_COUNT entry points are needed to load NVRTC at all; the LTO-IR getters (CUDA 12.0 on),
+// which only device linking needs, are resolved when it first does (pyep_nvrtc_lto_*).
 enum {
 	NV_VERSION, NV_CREATE, NV_COMPILE, NV_LOG_SIZE, NV_LOG, NV_CUBIN_SIZE, NV_CUBIN,
-	NV_PTX_SIZE, NV_PTX, NV_DESTROY, NV_ERROR_STRING, NV_COUNT
+	NV_PTX_SIZE, NV_PTX, NV_DESTROY, NV_ERROR_STRING, NV_COUNT,
+	NV_LTOIR_SIZE = NV_COUNT, NV_LTOIR, NV_ALL
 };
 
-static const char* const pyep_nvrtc_names[NV_COUNT] = {
+static const char* const pyep_nvrtc_names[NV_ALL] = {
 	"nvrtcVersion", "nvrtcCreateProgram", "nvrtcCompileProgram", "nvrtcGetProgramLogSize",
 	"nvrtcGetProgramLog", "nvrtcGetCUBINSize", "nvrtcGetCUBIN", "nvrtcGetPTXSize", "nvrtcGetPTX",
-	"nvrtcDestroyProgram", "nvrtcGetErrorString",
+	"nvrtcDestroyProgram", "nvrtcGetErrorString", "nvrtcGetLTOIRSize", "nvrtcGetLTOIR",
 };
 
-static void* pyep_nvrtc_fp[NV_COUNT];
+static void* pyep_nvrtc_fp[NV_ALL];
+
+// What a compile emits: the getters of each output, by pyep_nvrtc_compile's output argument.
+enum { NV_OUT_CUBIN, NV_OUT_PTX, NV_OUT_LTOIR };
+static const int pyep_nvrtc_out_size[] = { NV_CUBIN_SIZE, NV_PTX_SIZE, NV_LTOIR_SIZE };
+static const int pyep_nvrtc_out_get[] = { NV_CUBIN, NV_PTX, NV_LTOIR };
 static void* pyep_nvrtc_builtins;
 
 // goep/dl opens the library and resolves the entry points; these hand them over.
@@ -72,7 +80,7 @@ typedef struct {
 // The whole create/compile/fetch/destroy sequence in one C call: one cgo crossing, and the
 // program handle never leaves C.
 static pyep_nvrtc_output pyep_nvrtc_compile(const char* src, const char* name, int num_headers,
-		char** headers, char** include_names, int num_options, char** options, int want_ptx) {
+		char** headers, char** include_names, int num_options, char** options, int output) {
 	pyep_nvrtc_output o = {0, 0, NULL, NULL, 0};
 	nvrtcProgram prog = NULL;
 	o.result = ((nvrtcResult(*)(nvrtcProgram*, const char*, const char*, int, const char* const*,
@@ -94,13 +102,13 @@ static pyep_nvrtc_output pyep_nvrtc_compile(const char* src, const char* name, i
 	if (o.result == 0) {
 		o.stage = 2;
 		size_t size = 0;
-		o.result = ((nvrtcResult(*)(nvrtcProgram, size_t*))pyep_nvrtc_fp[want_ptx ? NV_PTX_SIZE : NV_CUBIN_SIZE])(prog, &size);
+		o.result = ((nvrtcResult(*)(nvrtcProgram, size_t*))pyep_nvrtc_fp[pyep_nvrtc_out_size[output]])(prog, &size);
 		if (o.result == 0 && size > 0) {
 			o.out = malloc(size);
 			if (o.out == NULL) {
 				o.result = 1;  // NVRTC_ERROR_OUT_OF_MEMORY
 			} else {
-				o.result = ((nvrtcResult(*)(nvrtcProgram, char*))pyep_nvrtc_fp[want_ptx ? NV_PTX : NV_CUBIN])(prog, o.out);
+				o.result = ((nvrtcResult(*)(nvrtcProgram, char*))pyep_nvrtc_fp[pyep_nvrtc_out_get[output]])(prog, o.out);
 				o.out_size = size;
 			}
 		}
@@ -175,6 +183,20 @@ func preloadBuiltins(lib *NVRTC) error {
 	return nil
 }
 
+// loadLTOIR resolves the LTO-IR getters in the loaded NVRTC (a second dlopen of the same file
+// only counts a reference).
+func loadLTOIR(lib *NVRTC) error {
+	table := []dl.Symbol{{C.GoString(C.pyep_nvrtc_name(C.NV_LTOIR_SIZE))}, {C.GoString(C.pyep_nvrtc_name(C.NV_LTOIR))}}
+	found, err := dl.Open(lib.Path, table, dl.Options{})
+	if err != nil {
+		return fmt.Errorf("pyep: NVRTC %d.%d at %s cannot emit LTO-IR, which linking device code needs (CUDA 12.0 or newer): %w",
+			lib.Major, lib.Minor, lib.Path, err)
+	}
+	C.pyep_nvrtc_set(C.NV_LTOIR_SIZE, C.uintptr_t(found.Addrs[0]))
+	C.pyep_nvrtc_set(C.NV_LTOIR, C.uintptr_t(found.Addrs[1]))
+	return nil
+}
+
 func nvrtcErrorString(r C.nvrtcResult) string {
 	if s := C.pyep_nvrtcGetErrorString(r); s != nil {
 		return C.GoString(s)
@@ -182,7 +204,7 @@ func nvrtcErrorString(r C.nvrtcResult) string {
 	return fmt.Sprintf("NVRTC error %d", int(r))
 }
 
-func nvrtcCompile(name, src string, headers []Header, options []string, ptx bool) (out []byte, log string, err error) {
+func nvrtcCompile(name, src string, headers []Header, options []string, output outputKind) (out []byte, log string, err error) {
 	// Every C string and array handed to NVRTC is freed when we return.
 	var cstrs []unsafe.Pointer
 	defer func() {
@@ -212,12 +234,8 @@ func nvrtcCompile(name, src string, headers []Header, options []string, ptx bool
 	for i, h := range headers {
 		hdrText[i], hdrName[i] = h.Text, h.Name
 	}
-	wantPTX := C.int(0)
-	if ptx {
-		wantPTX = 1
-	}
 	o := C.pyep_nvrtc_compile(cstr(src), cstr(name), C.int(len(headers)), carray(hdrText), carray(hdrName),
-		C.int(len(options)), carray(options), wantPTX)
+		C.int(len(options)), carray(options), C.int(output))
 	if o.log != nil {
 		log = C.GoString(o.log)
 		C.free(unsafe.Pointer(o.log))
@@ -230,7 +248,7 @@ func nvrtcCompile(name, src string, headers []Header, options []string, ptx bool
 		stage := [...]string{"create a program for", "compile", "emit the output of"}[o.stage]
 		return nil, log, &CompileError{Name: name, Stage: stage, Result: nvrtcErrorString(o.result), Log: log}
 	}
-	if ptx && len(out) > 0 && out[len(out)-1] == 0 {
+	if output == outPTX && len(out) > 0 && out[len(out)-1] == 0 {
 		out = out[:len(out)-1] // NVRTC counts PTX's terminating NUL
 	}
 	if len(out) == 0 {

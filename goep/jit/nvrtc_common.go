@@ -81,5 +81,35 @@ func (n *NVRTC) Compile(name, src string, headers []Header, options []string, pt
 	if n == nil {
 		return nil, "", errors.New("pyep: NVRTC is not loaded")
 	}
-	return nvrtcCompile(name, src, headers, options, ptx)
+	output := outCubin
+	if ptx {
+		output = outPTX
+	}
+	return nvrtcCompile(name, src, headers, options, output)
+}
+
+// outputKind is what a compile emits, in pyep_nvrtc_compile's numbering.
+type outputKind int
+
+const (
+	outCubin outputKind = iota
+	outPTX
+	outLTOIR
+)
+
+var (
+	ltoirOnce sync.Once
+	ltoirErr  error
+)
+
+// CompileLTOIR runs NVRTC as Compile does but returns LTO-IR, which nvJitLink links with device
+// libraries (options must ask for it: -rdc=true -dlto and a real arch, sm_XX).
+func (n *NVRTC) CompileLTOIR(name, src string, headers []Header, options []string) (out []byte, log string, err error) {
+	if n == nil {
+		return nil, "", errors.New("pyep: NVRTC is not loaded")
+	}
+	if ltoirOnce.Do(func() { ltoirErr = loadLTOIR(n) }); ltoirErr != nil {
+		return nil, "", ltoirErr
+	}
+	return nvrtcCompile(name, src, headers, options, outLTOIR)
 }

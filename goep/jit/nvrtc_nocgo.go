@@ -6,6 +6,8 @@ package jit
 // rest of pyep (the cpu backend) still works in such a build.
 func loadNVRTC([]string) (*NVRTC, error) { return nil, errNoCgo }
 
-func nvrtcCompile(string, string, []Header, []string, bool) ([]byte, string, error) {
+func nvrtcCompile(string, string, []Header, []string, outputKind) ([]byte, string, error) {
 	return nil, "", errNoCgo
 }
+
+func loadLTOIR(*NVRTC) error { return errNoCgo }
