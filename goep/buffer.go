@@ -8,6 +8,8 @@ import (
 	"math"
 	"sync"
 	"unsafe"
+
+	"github.com/pyep/pyep/goep/env"
 )
 
 // Params are a Buffer's constructor arguments, named as DeepEP's.
@@ -19,6 +21,14 @@ type Params struct {
 	// UseFabric allocates the NVLink-domain region through the backend's FabricAllocator, if
 	// it has one (cuda: cuMem handles instead of CUDA IPC); the cpu backend ignores it.
 	UseFabric bool
+	// NoNVLinkForLowLatency is allow_nvlink_for_low_latency_mode=False: the cpu backend's
+	// low-latency engine reaches every peer, its own node's too, through the remote path
+	// (goep/lowlatency's remotePut/remoteSignal), as DeepEP sends everything over RDMA then. The
+	// cuda backend ignores it until it has NVSHMEM.
+	NoNVLinkForLowLatency bool
+	// RanksPerNode makes each RanksPerNode consecutive ranks one node (NVLink domain); 0: what
+	// PYEP_RANKS_PER_NODE says when the buffer is made, and unset DeepEP's nodes of 8.
+	RanksPerNode int
 	// Engines make the buffer's engines where the backend does not (engine.go); zero: the
 	// backend's.
 	Engines Engines
@@ -65,7 +75,14 @@ type Buffer struct {
 // NewBuffer validates p as DeepEP's Buffer constructor does and allocates the local NVLink-domain
 // region (when NumNVLBytes > 0) and the RDMA region (when NumRDMABytes > 0) through backend.
 func NewBuffer(p Params, backend Backend) (*Buffer, error) {
-	topo, err := NewTopology(p.Rank, p.NumRanks, p.LowLatencyMode)
+	if p.RanksPerNode == 0 {
+		k, err := env.NodeSize()
+		if err != nil {
+			return nil, &ArgumentError{msg: err.Error()}
+		}
+		p.RanksPerNode = k
+	}
+	topo, err := NewNodeTopology(p.Rank, p.NumRanks, p.RanksPerNode, p.LowLatencyMode)
 	if err != nil {
 		return nil, err
 	}
@@ -78,8 +95,13 @@ func NewBuffer(p Params, backend Backend) (*Buffer, error) {
 		return nil, Argf("num_nvl_bytes = %d: expected at most %d when num_rdma_bytes > 0 (internode offsets are 32-bit)", p.NumNVLBytes, math.MaxInt32)
 	case p.NumRDMABytes > math.MaxInt32 && !p.LowLatencyMode:
 		return nil, Argf("num_rdma_bytes = %d: expected at most %d outside low-latency mode", p.NumRDMABytes, math.MaxInt32)
-	case p.NumRDMABytes > 0 && !(p.NumRanks > NumMaxNVLPeers || p.LowLatencyMode):
-		return nil, Argf("num_rdma_bytes = %d: an RDMA buffer needs more than %d ranks or low_latency_mode=True", p.NumRDMABytes, NumMaxNVLPeers)
+	case p.NumRDMABytes > 0 && !(topo.NumRDMARanks > 1 || p.LowLatencyMode):
+		node := NumMaxNVLPeers
+		if p.RanksPerNode != 0 {
+			node = p.RanksPerNode
+		}
+		return nil, Argf("num_rdma_bytes = %d: an RDMA buffer needs more than %d ranks (more than one node) or low_latency_mode=True",
+			p.NumRDMABytes, node)
 	case p.EnableShrink && !p.LowLatencyMode:
 		// DeepEP allocates the rank mask of shrink mode with low-latency mode's buffers only.
 		return nil, Argf("enable_shrink=True: shrink mode masks ranks in low-latency mode; expected low_latency_mode=True")

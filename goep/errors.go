@@ -36,3 +36,21 @@ func IsType(err error) bool {
 	var a *ArgumentError
 	return errors.As(err, &a) && a.isType
 }
+
+// NotAvailableError is an operation that pyep has the API of but cannot run in this setting yet
+// (Python raises pyep.NotAvailableError for it): the message says what is missing and, where a
+// setting of the user's is why, which one to change.
+type NotAvailableError struct{ msg string }
+
+func (e *NotAvailableError) Error() string { return e.msg }
+
+// NotAvailablef makes a NotAvailableError.
+func NotAvailablef(format string, args ...any) error {
+	return &NotAvailableError{msg: fmt.Sprintf(format, args...)}
+}
+
+// IsNotAvailable reports whether err is, or wraps, a NotAvailableError.
+func IsNotAvailable(err error) bool {
+	var n *NotAvailableError
+	return errors.As(err, &n)
+}

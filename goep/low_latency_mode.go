@@ -12,11 +12,17 @@ import (
 	"github.com/pyep/pyep/goep/lowlatency"
 )
 
-// The low-latency mode of a Buffer. On one node, every rank's RDMA buffer (num_rdma_bytes) is
-// shared with its peers as the NVLink buffer is (Backend.Allocate and Open, its token in the
-// rank's IPC handle, opened by Sync), and goep/lowlatency runs the calls over those regions; on
-// a device, the engine that Params.Engines (or the backend) makes at Sync runs them instead
-// (low_latency_device.go).
+// The low-latency mode of a Buffer. Every rank's RDMA buffer (num_rdma_bytes) is shared with its
+// peers as the NVLink buffer is (Backend.Allocate and Open, its token in the rank's IPC handle,
+// opened by Sync), and goep/lowlatency runs the calls over those regions; on a device, the engine
+// that Params.Engines (or the backend) makes at Sync runs them instead (low_latency_device.go).
+//
+// Across nodes. On the cpu backend every rank is a process of one machine, so the regions are
+// shared whatever the nodes (PYEP_RANKS_PER_NODE's, or DeepEP's nodes of 8 in a larger group):
+// goep/lowlatency writes a peer of its own node directly and a peer of another node only through
+// its remote path (remotePut/remoteSignal), the NVSHMEM contract that the GPU will keep. A device
+// backend has no NVSHMEM yet: across nodes its buffer shares nothing and the calls raise
+// NotAvailableError.
 
 // lowLatency is a Buffer's low-latency engine and the regions it runs over.
 type lowLatency struct {
@@ -40,7 +46,22 @@ type lowLatency struct {
 // sharesLowLatency: whether this buffer's RDMA region is the shared low-latency region.
 func (b *Buffer) sharesLowLatency() bool {
 	p := b.params
-	return p.LowLatencyMode && p.NumRDMABytes > 0 && b.topo.NumRDMARanks == 1
+	return p.LowLatencyMode && p.NumRDMABytes > 0 && (b.topo.NumRDMARanks == 1 || b.backend.DeviceID() < 0)
+}
+
+// remotePeers is the engine's path table: which peers it writes through the remote path, those
+// of other nodes, or with allow_nvlink_for_low_latency_mode=False every peer but itself.
+func (b *Buffer) remotePeers() []bool {
+	t := b.topo
+	remote, some := make([]bool, t.NumRanks), false
+	for p := range remote {
+		remote[p] = p != t.Rank && (b.params.NoNVLinkForLowLatency || !t.SameNode(p))
+		some = some || remote[p]
+	}
+	if !some {
+		return nil
+	}
+	return remote
 }
 
 // allocateRDMA makes the RDMA region: shared with the peers in low-latency mode on one node.
@@ -123,7 +144,7 @@ func (b *Buffer) openLowLatency(handles [][]byte) error {
 		return nil
 	}
 	e, err := lowlatency.NewEngine(lowlatency.Domain{Rank: t.Rank, NumRanks: t.NumRanks, Regions: regions,
-		NumBytes: b.params.NumRDMABytes, Timeout: ll.timeout, Shrink: b.params.EnableShrink})
+		NumBytes: b.params.NumRDMABytes, Timeout: ll.timeout, Shrink: b.params.EnableShrink, Remote: b.remotePeers()})
 	ll.engine = e
 	return err
 }
@@ -181,6 +202,11 @@ func (b *Buffer) lowLatency(op string) (*lowLatency, error) {
 		return nil, Argf("%s: the buffer was made with low_latency_mode=False", op)
 	case b.params.NumRDMABytes == 0:
 		return nil, Argf("%s: low-latency mode needs num_rdma_bytes > 0 (see Buffer.get_low_latency_rdma_size_hint)", op)
+	case b.ll == nil && b.topo.NumRDMARanks > 1:
+		// A device backend across nodes (sharesLowLatency): the peers of other nodes need NVSHMEM.
+		return nil, NotAvailablef("%s: low-latency mode across nodes (%d ranks, %d nodes of %d) on the %s backend needs "+
+			"NVSHMEM, which pyep does not have yet%s", op, b.topo.NumRanks, b.topo.NumRDMARanks, b.topo.NumNVLRanks,
+			b.backend.Name(), b.topo.nodesHint())
 	case b.ll == nil || b.ll.engine == nil && b.ll.device == nil:
 		return nil, fmt.Errorf("%s: low-latency mode is not available on the %s backend with %d ranks", op, b.backend.Name(), b.topo.NumRanks)
 	}

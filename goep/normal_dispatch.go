@@ -2,7 +2,6 @@ package goep
 
 import (
 	"errors"
-	"fmt"
 	"math"
 	"unsafe"
 
@@ -51,7 +50,7 @@ type CachedDispatchArgs struct {
 // errMultiDomain is what a dispatch across NVLink domains raises (and the Python layer said).
 func (b *Buffer) errMultiDomain() error {
 	if b.topo.NumRDMARanks > 1 {
-		return fmt.Errorf("dispatch across NVLink domains (%d ranks) is not available yet", b.topo.NumRanks)
+		return NotAvailablef("dispatch across NVLink domains (%d ranks) is not available yet%s", b.topo.NumRanks, b.topo.nodesHint())
 	}
 	return nil
 }

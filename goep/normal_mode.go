@@ -146,7 +146,8 @@ func (b *Buffer) engine() (NormalEngine, []Region, error) {
 		return nil, nil, err
 	}
 	if b.topo.NumRDMARanks > 1 {
-		return nil, nil, Argf("num_ranks = %d: normal mode across NVLink domains (internode) is not available yet; use at most %d ranks", b.topo.NumRanks, NumMaxNVLPeers)
+		return nil, nil, NotAvailablef("num_ranks = %d: normal mode across NVLink domains (internode) is not available yet; "+
+			"use at most %d ranks%s", b.topo.NumRanks, NumMaxNVLPeers, b.topo.nodesHint())
 	}
 	e, err := b.NormalEngine()
 	return e, peers, err

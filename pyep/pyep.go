@@ -4,7 +4,8 @@
 //
 // Buffers are named by integer ids (goep/api keeps them): a stale or destroyed id is an error,
 // never a dangling Go handle. pyep imports no backend: goep/api makes them by name. Errors that are the caller's fault carry the prefix "ValueError: " (or "TypeError: ")
-// so that Python raises that exception for them.
+// so that Python raises that exception for them; "NotAvailableError: " marks what pyep cannot run
+// in this setting yet (pyep.NotAvailableError).
 package pyep
 
 import (
@@ -35,6 +36,8 @@ func guard(op string, err *error) {
 		*err = fmt.Errorf("TypeError: %w", *err)
 	case goep.IsArgument(*err):
 		*err = fmt.Errorf("ValueError: %w", *err)
+	case goep.IsNotAvailable(*err):
+		*err = fmt.Errorf("NotAvailableError: %w", *err)
 	}
 }
 
@@ -42,19 +45,20 @@ func guard(op string, err *error) {
 func lookup(id int64) (*goep.Buffer, error) { return api.Buffer(id) }
 
 // NewBuffer allocates a Buffer on the named backend ("cpu", or "cuda:N" for device ordinal N,
-// torch.cuda.current_device()) and returns its id.
+// torch.cuda.current_device()) and returns its id; PYEP_RANKS_PER_NODE is read now
+// (goep.NewBuffer), so Python may set it just before.
 func NewBuffer(backend string, rank, numRanks int, numNVLBytes, numRDMABytes int64,
-	lowLatencyMode, explicitlyDestroy, enableShrink, useFabric bool) (id int64, err error) {
+	lowLatencyMode, explicitlyDestroy, enableShrink, useFabric, allowNVLinkForLowLatency bool) (id int64, err error) {
 	defer guard("NewBuffer", &err)
 	return api.NewBuffer(backend, goep.Params{
 		Rank: rank, NumRanks: numRanks, NumNVLBytes: numNVLBytes, NumRDMABytes: numRDMABytes,
 		LowLatencyMode: lowLatencyMode, ExplicitlyDestroy: explicitlyDestroy,
-		EnableShrink: enableShrink, UseFabric: useFabric,
+		EnableShrink: enableShrink, UseFabric: useFabric, NoNVLinkForLowLatency: !allowNVLinkForLowLatency,
 	})
 }
 
-// BufferInfo is "device_id rank num_ranks rdma_rank num_rdma_ranks nvl_rank num_nvl_ranks",
-// read once by Python.
+// BufferInfo is "device_id rank num_ranks rdma_rank num_rdma_ranks nvl_rank num_nvl_ranks
+// ranks_per_node" (the last is PYEP_RANKS_PER_NODE's node size, 0 when unset), read once by Python.
 func BufferInfo(id int64) (info string, err error) {
 	defer guard("BufferInfo", &err)
 	b, err := lookup(id)
@@ -62,7 +66,7 @@ func BufferInfo(id int64) (info string, err error) {
 		return "", err
 	}
 	t := b.Topology()
-	return fmt.Sprint(b.LocalDeviceID(), t.Rank, t.NumRanks, t.RDMARank, t.NumRDMARanks, t.NVLRank, t.NumNVLRanks), nil
+	return fmt.Sprint(b.LocalDeviceID(), t.Rank, t.NumRanks, t.RDMARank, t.NumRDMARanks, t.NVLRank, t.NumNVLRanks, t.RanksPerNode), nil
 }
 
 // BufferLocalIPCHandle is the hex of this rank's IPC handle ("" without an NVLink buffer).

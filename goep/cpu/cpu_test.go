@@ -146,6 +146,38 @@ func TestRDMAAndLowLatency(t *testing.T) {
 	require.NoError(t, shrink.Destroy())
 }
 
+// PYEP_RANKS_PER_NODE=2 makes 4 ranks two nodes: the low-latency regions are still shared by
+// every rank (one machine), and an RDMA buffer no longer needs low-latency mode.
+func TestLowLatencyAcrossEmulatedNodes(t *testing.T) {
+	const R = 4
+	size, err := goep.LowLatencySizeHint(2, 128, R, R)
+	require.NoError(t, err)
+	buffers := make([]*goep.Buffer, R)
+	handles := make([][]byte, R)
+	for r := range buffers {
+		b, err := goep.NewBuffer(goep.Params{Rank: r, NumRanks: R, NumRDMABytes: size, LowLatencyMode: true, RanksPerNode: 2}, cpu.Backend{})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = b.Destroy() })
+		buffers[r] = b
+		handles[r], err = b.LocalIPCHandle()
+		require.NoError(t, err)
+		require.NotEmpty(t, handles[r], "the low-latency region's token travels in the handle")
+	}
+	uid := make([]byte, goep.UniqueIDBytes)
+	for r, b := range buffers {
+		require.NoError(t, b.Sync(make([]int, R), handles, uid))
+		topo := b.Topology()
+		assert.Equal(t, [4]int{r / 2, 2, r % 2, 2}, [4]int{topo.RDMARank, topo.NumRDMARanks, topo.NVLRank, topo.NumNVLRanks})
+		_, err := b.LowLatencyNextCombineBuffer(2, 128, R)
+		require.NoError(t, err, "rank %d has a low-latency engine", r)
+	}
+	rdma, err := goep.NewBuffer(goep.Params{Rank: 0, NumRanks: R, NumRDMABytes: 4096, RanksPerNode: 2}, cpu.Backend{})
+	require.NoError(t, err)
+	require.NoError(t, rdma.Destroy())
+	_, err = goep.NewBuffer(goep.Params{Rank: 0, NumRanks: R, NumRDMABytes: 4096, RanksPerNode: 4}, cpu.Backend{})
+	assert.ErrorContains(t, err, "num_rdma_bytes = 4096: an RDMA buffer needs more than 4 ranks (more than one node)")
+}
+
 func TestSegmentsArePrivate(t *testing.T) {
 	b, err := goep.NewBuffer(goep.Params{Rank: 0, NumRanks: 2, NumNVLBytes: nvlBytes}, cpu.Backend{})
 	require.NoError(t, err)

@@ -5,6 +5,7 @@
 package env
 
 import (
+	"fmt"
 	"os"
 	"strconv"
 	"strings"
@@ -22,6 +23,7 @@ const (
 	SitePackages  = "PYEP_SITE_PACKAGES"  // where Python's packages are (NVIDIA's wheels), set by pyep
 	DebugSync     = "PYEP_DEBUG_SYNC"     // every launch waits for its kernel
 	MemHandle     = "PYEP_MEM_HANDLE"     // use_fabric's handle kind: auto, fabric or fd
+	RanksPerNode  = "PYEP_RANKS_PER_NODE" // node size: each k consecutive ranks are one node
 )
 
 // Get reads name now, from the C library's environment when the core is a library of a C
@@ -62,6 +64,24 @@ func Quiet() bool {
 		return false
 	}
 	return true
+}
+
+// NodeSize is PYEP_RANKS_PER_NODE as set now (a Buffer reads it when it is made, after Python
+// may have set it): 0 when unset or empty, else a positive whole number. Whether it fits the
+// group (divides it, at most a node of 8) is goep.NewTopology's to say.
+func NodeSize() (int, error) { return parseNodeSize(Get(RanksPerNode)) }
+
+func parseNodeSize(s string) (int, error) {
+	s = strings.TrimSpace(s)
+	if s == "" {
+		return 0, nil
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("%s=%q: expected a positive whole number of ranks a node (at most 8, dividing the "+
+			"group), or unset for DeepEP's nodes of 8", RanksPerNode, s)
+	}
+	return n, nil
 }
 
 // CacheDir is PYEP_JIT_CACHE_DIR ("" when unset).

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestParseThreads(t *testing.T) {
@@ -15,4 +16,26 @@ func TestParseThreads(t *testing.T) {
 func TestGetSeesChanges(t *testing.T) {
 	t.Setenv(MemHandle, "fd")
 	assert.Equal(t, "fd", Get(MemHandle))
+}
+
+func TestNodeSize(t *testing.T) {
+	for in, want := range map[string]int{"": 0, "  ": 0, "1": 1, " 2 ": 2, "8": 8, "16": 16} {
+		n, err := parseNodeSize(in)
+		require.NoError(t, err, "PYEP_RANKS_PER_NODE=%q", in)
+		assert.Equal(t, want, n, "PYEP_RANKS_PER_NODE=%q", in)
+	}
+	for _, in := range []string{"0", "-2", "two", "2.5", "2x"} {
+		_, err := parseNodeSize(in)
+		require.Error(t, err, "PYEP_RANKS_PER_NODE=%q", in)
+		assert.Contains(t, err.Error(), "PYEP_RANKS_PER_NODE=")
+		assert.Contains(t, err.Error(), "expected a positive whole number")
+	}
+	t.Setenv(RanksPerNode, "4")
+	n, err := NodeSize()
+	require.NoError(t, err)
+	assert.Equal(t, 4, n)
+	t.Setenv(RanksPerNode, "")
+	n, err = NodeSize()
+	require.NoError(t, err)
+	assert.Zero(t, n)
 }

@@ -101,13 +101,12 @@ func (e *Engine) combineSend(a *CombineArgs, l Layout, h int, seq uint32) error 
 			for i := range n {
 				row := j*RM + begin + i
 				t := int(a.SrcInfo[row])
-				out := unsafe.Slice((*uint16)(at(e.d.Regions[dst], l.CombineSlot(h, me*L+j, t))), H)
-				copy(out, rows[row*H:(row+1)*H])
+				e.write(dst, l.CombineSlot(h, me*L+j, t), unsafe.Slice((*byte)(unsafe.Pointer(&rows[row*H])), 2*H))
 			}
-			e.word(dst, l.CombineFlags(h)+8*int64(me*L+j)).Store(flag(seq, 1))
+			e.signal(dst, l.CombineFlags(h)+8*int64(me*L+j), flag(seq, 1))
 		}
 	}
-	return nil
+	return e.unsignalled("low_latency_combine")
 }
 
 func (e *Engine) combineRecv(a *CombineArgs, l Layout, h int, seq uint32) error {

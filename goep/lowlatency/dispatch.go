@@ -124,16 +124,15 @@ func (e *Engine) dispatchSend(a *DispatchArgs, l Layout, h int, seq uint32) erro
 				}
 				slot := counts[g]
 				counts[g]++
-				copy(msg(e.d.Regions[dst], l.DispatchSlot(h, int(g)%L, me, int(slot))),
-					msg(base, l.Send(h)+int64(t)*l.DispatchMsgBytes))
+				e.write(dst, l.DispatchSlot(h, int(g)%L, me, int(slot)), msg(base, l.Send(h)+int64(t)*l.DispatchMsgBytes))
 			}
 		}
-		// The flag goes after the rows (atomic stores order the copies before it).
+		// The flags go after the rows (signal orders the writes before it).
 		for j := range L {
-			e.word(dst, l.DispatchFlags(h)+8*int64(j*e.d.NumRanks+me)).Store(flag(seq, counts[dst*L+j]))
+			e.signal(dst, l.DispatchFlags(h)+8*int64(j*e.d.NumRanks+me), flag(seq, counts[dst*L+j]))
 		}
 	}
-	return nil
+	return e.unsignalled("low_latency_dispatch")
 }
 
 func (e *Engine) dispatchRecv(a *DispatchArgs, l Layout, h int, seq uint32) error {

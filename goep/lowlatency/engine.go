@@ -41,6 +41,10 @@ type Domain struct {
 	// Shrink (enable_shrink): a peer that does not answer in time is masked and the call goes
 	// on without it; otherwise the call fails naming it.
 	Shrink bool
+	// Remote[p]: peer p is on another node (or allow_nvlink_for_low_latency_mode=False), and
+	// this rank writes into its region only through remotePut and remoteSignal (remote.go).
+	// nil: every peer is on this rank's node. Remote[Rank] is false.
+	Remote []bool
 }
 
 // Engine is one rank's low-latency state: the calls since the last clean, the receives not yet
@@ -56,6 +60,8 @@ type Engine struct {
 	// broken is why calls must wait for a clean (a peer timed out without shrink).
 	broken   error
 	timedOut []int
+	// puts[p]: the remote puts to peer p that its next remoteSignal lands (remote.go).
+	puts [][]put
 }
 
 // NewEngine checks d and makes rank d.Rank's engine.
@@ -68,6 +74,10 @@ func NewEngine(d Domain) (*Engine, error) {
 			return nil, invalid("low-latency domain: region of rank %d is nil or not %d-byte aligned", r, align)
 		}
 	}
+	if d.Remote != nil && (len(d.Remote) != d.NumRanks || d.Remote[d.Rank]) {
+		return nil, invalid("low-latency domain: rank %d's path table has %d entries (expected %d) or makes the rank "+
+			"remote to itself", d.Rank, len(d.Remote), d.NumRanks)
+	}
 	if d.NumBytes < HeaderBytes(d.NumRanks) {
 		return nil, invalid("num_rdma_bytes = %d: low-latency mode needs at least %d", d.NumBytes, HeaderBytes(d.NumRanks))
 	}
@@ -75,7 +85,7 @@ func NewEngine(d Domain) (*Engine, error) {
 		d.Timeout = DefaultTimeout
 	}
 	h, _ := NewLayout(d.NumRanks, Shape{MaxTokens: 1, Hidden: ScaleBlock, NumExperts: d.NumRanks})
-	return &Engine{d: d, header: h}, nil
+	return &Engine{d: d, header: h, puts: make([][]put, d.NumRanks)}, nil
 }
 
 func (e *Engine) word(r int, off int64) *atomic.Uint64 {
@@ -215,7 +225,7 @@ func (e *Engine) awaitAck(op string, l Layout, h int, seq uint32, p int) (bool, 
 func (e *Engine) acknowledge(l Layout, h int, seq uint32) {
 	for p := range e.d.NumRanks {
 		if p != e.d.Rank && !e.Masked(p) {
-			e.word(p, l.Ack(h, e.d.Rank)).Store(uint64(seq))
+			e.signal(p, l.Ack(h, e.d.Rank), uint64(seq))
 		}
 	}
 }
@@ -227,7 +237,7 @@ func (e *Engine) barrier(op string) error {
 	e.epoch++
 	for p := range e.d.NumRanks {
 		if p != e.d.Rank && !e.Masked(p) {
-			e.word(p, e.header.Sync(e.d.Rank)).Store(e.epoch)
+			e.signal(p, e.header.Sync(e.d.Rank), e.epoch)
 		}
 	}
 	for p := range e.d.NumRanks {

@@ -42,11 +42,13 @@ class PyepError(RuntimeError):
 
 
 class NotAvailableError(PyepError, NotImplementedError):
-    """A DeepEP method that pyep has, with DeepEP's signature, but cannot run yet (low-latency mode, internode)."""
+    """A DeepEP method that pyep has, with DeepEP's signature, but cannot run yet (internode normal mode, low-latency
+    mode across nodes on cuda, LogFMT)."""
 
 
-def not_available(method: str, what: str) -> NotAvailableError:
-    return NotAvailableError(f"Buffer.{method}: {what} is not available in pyep yet")
+def not_available(method: str, what: str, hint: str = "") -> NotAvailableError:
+    """The error of a method that pyep cannot run yet; hint (after "; ") says what setting of the user's is why."""
+    return NotAvailableError(f"Buffer.{method}: {what} is not available in pyep yet" + (f"; {hint}" if hint else ""))
 
 
 _FORKED = ("pyep cannot be used in a forked child process: the Go runtime does not survive fork; "
@@ -83,10 +85,10 @@ os.register_at_fork(after_in_child=_forked_child)
 
 
 def error(e):
-    """The Python exception of a core error: "ValueError: " and "TypeError: " ones become those, any other a
-    PyepError."""
+    """The Python exception of a core error: "ValueError: ", "TypeError: " and "NotAvailableError: " ones become
+    those, any other a PyepError."""
     msg = str(e)
-    for kind in (ValueError, TypeError):
+    for kind in (ValueError, TypeError, NotAvailableError):
         prefix = kind.__name__ + ": "
         if msg.startswith(prefix):
             return kind(msg[len(prefix):])

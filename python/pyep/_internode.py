@@ -12,6 +12,16 @@ from .utils import EventOverlap
 _INTERNODE = "normal mode across NVLink domains (internode, over RDMA)"
 
 
+def nodes_hint(runtime) -> str:
+    """What an error about a mode that does not run across nodes adds when PYEP_RANKS_PER_NODE made the nodes."""
+    k = runtime.ranks_per_node
+    if not k:
+        return ""
+    hint = (f"the {runtime.num_ranks} ranks are {runtime.get_num_rdma_ranks()} nodes because PYEP_RANKS_PER_NODE={k} "
+            "(read when the Buffer was made)")
+    return hint + (": unset it to run them as one node" if runtime.num_ranks <= 8 else "")
+
+
 class InternodeMixin:
     """Buffer's internode methods (see the module's docstring)."""
 
@@ -35,7 +45,7 @@ class InternodeMixin:
         (`[num_rdma_ranks]` with `torch.int`, from `get_dispatch_layout`) is required, `config` must be set, and the
         handle is internode's own 10-tuple.
         """
-        raise not_available("internode_dispatch", _INTERNODE)
+        raise not_available("internode_dispatch", _INTERNODE, nodes_hint(self.runtime))
 
     def internode_combine(self, x: torch.Tensor, handle: Union[tuple, list],
                           topk_weights: Optional[torch.Tensor] = None,
@@ -50,4 +60,4 @@ class InternodeMixin:
 
         Arguments and returns are those of `combine`; `config` must be set and `handle` is `internode_dispatch`'s.
         """
-        raise not_available("internode_combine", _INTERNODE)
+        raise not_available("internode_combine", _INTERNODE, nodes_hint(self.runtime))

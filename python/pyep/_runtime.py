@@ -30,15 +30,19 @@ class _Runtime:
     """The core's side of one Buffer, with the method names of DeepEP's `deep_ep_cpp.Buffer`."""
 
     def __init__(self, backend: str, rank: int, num_ranks: int, num_nvl_bytes: int, num_rdma_bytes: int,
-                 low_latency_mode: bool, explicitly_destroy: bool, enable_shrink: bool, use_fabric: bool) -> None:
+                 low_latency_mode: bool, explicitly_destroy: bool, enable_shrink: bool, use_fabric: bool,
+                 allow_nvlink_for_low_latency_mode: bool = True) -> None:
         if backend == "cuda":
             backend = _cuda_backend()
         # "cpu" or "cuda"; the device is get_local_device_id().
         self.backend = backend.partition(":")[0]
+        # The core reads PYEP_RANKS_PER_NODE here (nodes of that many ranks instead of DeepEP's 8).
         self.id = _core.call("NewBuffer", backend, rank, num_ranks, num_nvl_bytes, num_rdma_bytes,
-                             low_latency_mode, explicitly_destroy, enable_shrink, use_fabric)
+                             low_latency_mode, explicitly_destroy, enable_shrink, use_fabric,
+                             allow_nvlink_for_low_latency_mode)
+        # ranks_per_node: PYEP_RANKS_PER_NODE's node size as the core read it, 0 when unset.
         (self._device_id, self.rank, self.num_ranks, self._rdma_rank, self._num_rdma_ranks,
-         self._nvl_rank, self._num_nvl_ranks) = map(int, _core.call("BufferInfo", self.id).split())
+         self._nvl_rank, self._num_nvl_ranks, self.ranks_per_node) = map(int, _core.call("BufferInfo", self.id).split())
         self.destroyed = False
 
     def get_local_device_id(self) -> int:

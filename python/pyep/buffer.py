@@ -81,9 +81,10 @@ class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
         runtime: the Go core's side, with the method names of DeepEP's C++ runtime.
         explicitly_destroy, enable_shrink: the constructor's flags.
 
-    Low-latency mode (`low_latency_dispatch`, ...) runs on the cpu backend (docs/low-latency.md); on the cuda backend
-    it, and internode normal mode (`internode_dispatch`, ...), have DeepEP's methods and signatures and raise
-    `pyep.NotAvailableError` until pyep implements them.
+    Low-latency mode (`low_latency_dispatch`, ...) runs on the cpu backend (across nodes too, which
+    PYEP_RANKS_PER_NODE=k emulates: each k consecutive ranks are one node) and on the cuda backend within one node
+    (docs/low-latency.md). Internode normal mode (`internode_dispatch`, ...) and low-latency mode across nodes on cuda
+    (NVSHMEM) have DeepEP's methods and signatures and raise `pyep.NotAvailableError` until pyep implements them.
     """
 
     num_sms: int = 20
@@ -102,10 +103,13 @@ class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
             num_nvl_bytes, num_rdma_bytes, num_qps_per_rank: ints (or anything with `__index__`, e.g. numpy integers).
             num_nvl_bytes: bytes of the intranode buffer, a multiple of 128 (see `Config.get_nvl_buffer_size_hint`).
             num_rdma_bytes: bytes of the RDMA buffer, a multiple of 128; needs more than 8 ranks or low-latency mode.
-            low_latency_mode: whether to enable low-latency mode (`low_latency_dispatch`, ...; docs/low-latency.md); on
-                the cpu backend with at most 8 ranks, the RDMA buffers are shared between the ranks.
+            low_latency_mode: whether to enable low-latency mode (`low_latency_dispatch`, ...; docs/low-latency.md): the
+                RDMA buffers are shared between the ranks of a node (cuda) or of the machine (cpu, across nodes too).
             num_qps_per_rank: RDMA queue pairs per rank (NVSHMEM/IBGDA), positive.
-            allow_nvlink_for_low_latency_mode: whether low-latency traffic may use NVLink (kept for low-latency mode).
+            allow_nvlink_for_low_latency_mode: whether low-latency traffic to a peer of the same node may use NVLink.
+                With False the cpu backend reaches every peer, its own node's too, through the path of peers on other
+                nodes (put, then signal), as DeepEP sends everything over RDMA then; the results are the same. The
+                cuda backend ignores it (it has no RDMA path yet).
             allow_mnnvl: whether an NVLink domain (up to 8 ranks) may span hosts (multi-node NVLink). pyep does not
                 have MNNVL yet: with True, a group whose NVLink domain spans hosts raises `pyep.NotAvailableError`
                 naming `allow_mnnvl`; one on a single host needs nothing from it.
@@ -126,7 +130,6 @@ class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
                                         ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
                                         ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
                                         ("explicitly_destroy", explicitly_destroy), ("enable_shrink", enable_shrink)))
-        # For low-latency mode, once pyep has it.
         self._allow_nvlink_for_low_latency_mode, self._num_qps_per_rank = allow_nvlink, num_qps_per_rank
         if group is not None:
             if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
@@ -149,7 +152,7 @@ class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
         self.enable_shrink = enable_shrink
         self._comm_stream = None
         self.runtime = _Runtime(_backend_for(group), self.rank, self.group_size, num_nvl_bytes, num_rdma_bytes,
-                                low_latency_mode, explicitly_destroy, enable_shrink, use_fabric)
+                                low_latency_mode, explicitly_destroy, enable_shrink, use_fabric, allow_nvlink)
         _live.add(self)
         try:
             peers = self._all_gather((self.runtime.get_local_device_id(), _host()))

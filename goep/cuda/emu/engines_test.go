@@ -53,6 +53,24 @@ func TestBufferEngines(t *testing.T) {
 	}
 }
 
+// Across nodes (PYEP_RANKS_PER_NODE) the cuda backend's low-latency mode needs NVSHMEM: every
+// call says so, before anything is queued.
+func TestLowLatencyAcrossNodesIsNotAvailable(t *testing.T) {
+	const R = 2
+	size, err := goep.LowLatencySizeHint(8, 256, R, 8)
+	require.NoError(t, err)
+	bufs := syncedBuffers(t, goep.Params{NumRanks: R, NumNVLBytes: 1 << 20, NumRDMABytes: size, LowLatencyMode: true,
+		EnableShrink: true, RanksPerNode: 1, Engines: engines})
+	_, err = bufs[0].LowLatencyNextCombineBuffer(8, 256, 8)
+	require.Error(t, err)
+	assert.True(t, goep.IsNotAvailable(err))
+	assert.EqualError(t, err, "get_next_low_latency_combine_buffer: low-latency mode across nodes (2 ranks, 2 nodes of 1) "+
+		"on the cuda backend needs NVSHMEM, which pyep does not have yet; the 2 ranks are 2 nodes because "+
+		"PYEP_RANKS_PER_NODE = 1: unset it to run them as one node")
+	_, err = bufs[1].LowLatencyDispatch(&goep.LLDispatchArgs{MaxTokens: 8, Hidden: 256, NumExperts: 8, NumTopk: 1})
+	assert.True(t, goep.IsNotAvailable(err), "%v", err)
+}
+
 // syncedBuffers makes and syncs the buffers of p (its Rank set per rank) on fake GPUs.
 func syncedBuffers(t *testing.T, p goep.Params) []*goep.Buffer {
 	t.Helper()
