@@ -1,11 +1,11 @@
 """DeepEP V1's low-latency mode on Buffer, every method with DeepEP's signature, names, shapes, dtypes and returns.
 
-The ranks' low-latency buffers (num_rdma_bytes) are shared: on the cpu backend the Go core (goep/lowlatency) moves
-the tokens through them, across nodes too (PYEP_RANKS_PER_NODE emulates them; a peer on another node is written
-only through a put-then-signal path, the contract NVSHMEM will keep on GPUs); on the cuda backend, within one node,
-the kernels of kernels/low_latency.cu do, queued on the current stream (CUDA-graph safe). docs/low-latency.md is the synchronization contract. This layer checks the
-tensors (dtype, shape, contiguity, device) with DeepEP's rules, allocates the outputs and passes data addresses to
-the core."""
+The ranks' low-latency buffers (num_rdma_bytes) are shared: on the cpu backend the Go core (goep/lowlatency) moves the
+tokens through them, across nodes too (PYEP_RANKS_PER_NODE emulates them; a peer on another node is written only
+through a put-then-signal path, the contract NVSHMEM will keep on GPUs); on the cuda backend, within one node, the
+kernels of kernels/low_latency.cu do, queued on the current stream (CUDA-graph safe). docs/low-latency.md is the
+synchronization contract. This layer checks the tensors (dtype, shape, contiguity, device) with DeepEP's rules,
+allocates the outputs and passes data addresses to the core."""
 import os
 import warnings
 from typing import Callable, Optional, Tuple, Union
