@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/pyep/pyep/goep/env"
 )
@@ -198,6 +199,22 @@ func (c *Cache) once(key string, load func() (any, error)) (any, error) {
 	}
 	close(e.done)
 	return e.value, e.err
+}
+
+// keep counts a compile that started at start, writes its output out to file (the disk cache;
+// "" keeps it in memory only) and reports it.
+func (c *Cache) keep(file string, out []byte, name, target string, defines map[string]string, start time.Time) {
+	elapsed := time.Since(start)
+	c.compiles.Add(1)
+	where := "kept in memory only"
+	if file != "" {
+		if err := writeAtomic(file, out); err != nil {
+			where = fmt.Sprintf("not cached: %v", err)
+		} else {
+			where = "cached at " + file
+		}
+	}
+	c.report(name, target, defines, elapsed.Milliseconds(), where)
 }
 
 // report writes the one line of a compile: what, for what, how long, where it went.

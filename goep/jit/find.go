@@ -29,9 +29,18 @@ func Candidates(getenv func(string) string) []string {
 	if p := getenv(env.NVRTC); p != "" {
 		return []string{p}
 	}
-	var dirs []string
+	return toolkitLibraries(getenv, nil, nvidiaLibDirs, "libnvrtc.so*", "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
+}
+
+// toolkitLibraries lists the files named like glob (a CUDA toolkit library) that exist in, in
+// order, the directories first, each site-packages directory's wheelDirs (NVIDIA's wheels),
+// $CUDA_HOME/lib64 and /usr/local/cuda/lib64, then the bare sonames for the loader's own search.
+// In a directory the longest version suffix comes first (libnvrtc.so.13.0.88 before
+// libnvrtc.so.13 before libnvrtc.so); in practice they are links to one file.
+func toolkitLibraries(getenv func(string) string, first, wheelDirs []string, glob string, sonames ...string) []string {
+	dirs := append([]string(nil), first...)
 	for _, sp := range dl.SitePackages(getenv) {
-		for _, d := range nvidiaLibDirs {
+		for _, d := range wheelDirs {
 			dirs = append(dirs, filepath.Join(sp, d))
 		}
 	}
@@ -39,13 +48,10 @@ func Candidates(getenv func(string) string) []string {
 		dirs = append(dirs, filepath.Join(home, "lib64"))
 	}
 	dirs = append(dirs, "/usr/local/cuda/lib64")
-
 	var out []string
 	seen := map[string]bool{}
 	for _, d := range dirs {
-		matches, _ := filepath.Glob(filepath.Join(d, "libnvrtc.so*"))
-		// Longest version suffix first (libnvrtc.so.13.0.88 before libnvrtc.so.13 before
-		// libnvrtc.so); in practice they are links to one file.
+		matches, _ := filepath.Glob(filepath.Join(d, glob))
 		sort.Sort(sort.Reverse(sort.StringSlice(matches)))
 		for _, m := range matches {
 			if !seen[m] {
@@ -54,5 +60,5 @@ func Candidates(getenv func(string) string) []string {
 			}
 		}
 	}
-	return append(out, "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
+	return append(out, sonames...)
 }

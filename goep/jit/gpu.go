@@ -108,17 +108,7 @@ func (c *Cache) load(src Source, opts Options, key string, flags []string, nv *N
 	if err != nil {
 		return nil, err
 	}
-	elapsed := time.Since(start)
-	c.compiles.Add(1)
-	where := "kept in memory only"
-	if file != "" {
-		if err := writeAtomic(file, out); err != nil {
-			where = fmt.Sprintf("not cached: %v", err)
-		} else {
-			where = "cached at " + file
-		}
-	}
-	c.report(src.Name, opts.Arch, opts.Defines, elapsed.Milliseconds(), where)
+	c.keep(file, out, src.Name, opts.Arch, opts.Defines, start)
 	return out, nil
 }
 

@@ -145,17 +145,7 @@ func (c *Cache) loadLinked(src Source, opts LinkOptions, p *linkPlan) ([]byte, e
 		}
 		return nil, err
 	}
-	elapsed := time.Since(start)
-	c.compiles.Add(1)
-	where := "kept in memory only"
-	if file != "" {
-		if err := writeAtomic(file, out); err != nil {
-			where = fmt.Sprintf("not cached: %v", err)
-		} else {
-			where = "cached at " + file
-		}
-	}
-	c.report(src.Name, opts.Arch+" (linked)", opts.Defines, elapsed.Milliseconds(), where)
+	c.keep(file, out, src.Name, opts.Arch+" (linked)", opts.Defines, start)
 	return out, nil
 }
 

@@ -5,11 +5,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 	"sync"
-
-	"github.com/pyep/pyep/goep/dl"
 )
 
 // NVJitLink describes the loaded nvJitLink library, which links NVRTC's LTO-IR with device
@@ -101,33 +98,11 @@ var jitLinkLibDirs = []string{"nvidia/cu13/lib", "nvidia/nvjitlink/lib", "nvidia
 // /usr/local/cuda/lib64, then bare sonames for the loader's own search. Files are listed only
 // if they exist.
 func JitLinkCandidates(getenv func(string) string, nvrtcDir string) []string {
-	var dirs []string
+	var first []string
 	if nvrtcDir != "" {
-		dirs = append(dirs, nvrtcDir)
+		first = []string{nvrtcDir}
 	}
-	for _, sp := range dl.SitePackages(getenv) {
-		for _, d := range jitLinkLibDirs {
-			dirs = append(dirs, filepath.Join(sp, d))
-		}
-	}
-	if home := getenv("CUDA_HOME"); home != "" {
-		dirs = append(dirs, filepath.Join(home, "lib64"))
-	}
-	dirs = append(dirs, "/usr/local/cuda/lib64")
-
-	var out []string
-	seen := map[string]bool{}
-	for _, d := range dirs {
-		matches, _ := filepath.Glob(filepath.Join(d, "libnvJitLink.so*"))
-		sort.Sort(sort.Reverse(sort.StringSlice(matches)))
-		for _, m := range matches {
-			if !seen[m] {
-				seen[m] = true
-				out = append(out, m)
-			}
-		}
-	}
-	return append(out, "libnvJitLink.so.13", "libnvJitLink.so.12")
+	return toolkitLibraries(getenv, first, jitLinkLibDirs, "libnvJitLink.so*", "libnvJitLink.so.13", "libnvJitLink.so.12")
 }
 
 var (
