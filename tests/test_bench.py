@@ -99,6 +99,7 @@ def test_bench_low_latency_rows(tiny_report):
         assert r["error"] is None, (op, r["error"])
         assert (r["tokens"], r["hidden"], r["topk"], r["experts"]) == (16, 256, 4, 8)
         assert r["num_sms"] is None and r["config"] is None and r["nvl_send"] is None
+        assert r["ranks_per_node"] == 0 and r["num_nodes"] == 1  # one node: PYEP_RANKS_PER_NODE unset
         assert 0 <= r["combine_err_max"] < 0.08  # the check ran and passed (FP8 rounding only)
         # Every (token, expert) pair reaches its expert: 2 ranks x 16 tokens x 4 choices in all.
         assert sum(p["recv_tokens"] for p in r["per_rank"]) == 2 * selections
@@ -139,6 +140,148 @@ def test_bench_low_latency_only(tmp_path, group):
         bad = by[(op, 200)]
         assert bad["error"] and "prepare" in bad["error"] and "hidden" in bad["error"], bad["error"]
         assert "time_us_avg" not in bad
+
+
+def _check_node_rows(report, R, ks, per_rank_tokens=16, topk=4):
+    """The low-latency rows of a run with --ll-nodes: one-node rows (ranks_per_node 0) and, for each k in ks, pyep's
+    rows on R / k emulated nodes, all checked by the bench (combine_err) and receiving every (token, expert) pair."""
+    rows = {}
+    for r in report["results"]:
+        assert r["op"] in bench.LL_OPS
+        rows[(r["impl"], r["ranks_per_node"], r["op"])] = r
+    assert set(rows) == {("pyep", k, op) for k in [0] + list(ks) for op in bench.LL_OPS}
+    for (impl, k, op), r in rows.items():
+        assert r["error"] is None, (k, op, r["error"])
+        assert r["num_nodes"] == (R // k if k else 1)
+        assert 0 <= r["combine_err_max"] < 0.08  # the bench's own check ran and passed
+        assert sum(p["recv_tokens"] for p in r["per_rank"]) == R * per_rank_tokens * topk
+        one = rows[(impl, 0, op)]
+        assert [p["bytes"] for p in r["per_rank"]] == [p["bytes"] for p in one["per_rank"]]
+        assert [p["recv_tokens"] for p in r["per_rank"]] == [p["recv_tokens"] for p in one["per_rank"]]
+    return rows
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_bench_ll_nodes(tmp_path, group, nprocs):
+    """--ll-nodes: pyep's low-latency rows once more per node size k on a Buffer made with PYEP_RANKS_PER_NODE=k (set
+    around its construction only), beside the one-node rows; sizes that do not fit are skipped with the reason."""
+    if group.rank() != 0:
+        pytest.skip("not collective: runs on rank 0 only")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PYEP_BACKEND", "cpu")
+    mp.setenv("OMP_NUM_THREADS", "1")
+    mp.delenv("PYEP_RANKS_PER_NODE", raising=False)
+    argv = list(TINY)
+    argv[argv.index("--nprocs") + 1] = str(nprocs)
+    try:
+        report = bench.main(argv + ["--ll", "--ll-nodes", "1,2,3", "--out", str(tmp_path)])
+        assert "PYEP_RANKS_PER_NODE" not in os.environ
+    finally:
+        mp.undo()
+    fits = [k for k in (1, 2, 3) if k < nprocs and nprocs % k == 0]
+    assert report["schema"] == "pyep-bench/4" and report["plan"]["ll_nodes"] == fits
+    skipped = {k: report["skipped"].get(f"pyep low-latency ranks_per_node={k}") for k in (1, 2, 3)}
+    for k, why in skipped.items():
+        if k in fits:
+            assert why is None, (k, why)
+        elif k >= nprocs:
+            assert why and "one node" in why, (k, why)
+        else:
+            assert why and "does not divide" in why, (k, why)
+    rows = _check_node_rows(report, nprocs, fits)
+    assert report["env"]["num_ranks"] == nprocs and rows
+    table = (tmp_path / "table.txt").read_text()
+    assert "nodes" in table and f"{nprocs // 1}x1" in table
+    assert "ranks_per_node=3" in table  # the skip is said in the output too
+
+
+def test_bench_ll_nodes_in_group(tmp_path, group, monkeypatch):
+    """--ll-nodes in the launch's own group (every rank runs the bench): after the run no rank has
+    PYEP_RANKS_PER_NODE set. On the cuda backend low-latency mode across nodes is not available yet: the emulated
+    rows are the cases' error rows, naming NotAvailableError; on cpu they pass the bench's check."""
+    from conftest import BACKEND, DEVICE
+    R = group.size()
+    ks = [k for k in (1, 2) if k < R and R % k == 0]
+    if not ks:
+        print(f"\ntest_bench_ll_nodes_in_group: {R} rank(s): no node size of 1 or 2 makes several nodes", flush=True)
+        pytest.skip(f"{R} rank(s): no node size of 1 or 2 makes several nodes")
+    monkeypatch.delenv("PYEP_RANKS_PER_NODE", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = bench.parse_args(TINY[TINY.index("--tokens"):] + ["--device", DEVICE, "--ll", "--impls", "pyep",
+                                                             "--ll-nodes", ",".join(map(str, ks + [R])),
+                                                             "--out", str(tmp_path)])
+    report = bench.run(args, group)
+    assert "PYEP_RANKS_PER_NODE" not in os.environ
+    if group.rank() != 0:
+        return
+    assert report["plan"]["ll_nodes"] == ks and "one node" in report["skipped"][f"pyep low-latency ranks_per_node={R}"]
+    if BACKEND == "cpu":
+        _check_node_rows(report, R, ks)
+        return
+    for r in report["results"]:
+        if r["ranks_per_node"]:
+            assert r["error"] and "NotAvailableError" in r["error"] and "NVSHMEM" in r["error"], r["error"]
+        else:
+            assert r["error"] is None, r["error"]
+
+
+def test_bench_ll_nodes_not_available(tmp_path, group, monkeypatch):
+    """A backend that refuses low-latency mode across nodes (the cuda backend until NVSHMEM; a stand-in here on cpu,
+    in the launch's group): the emulated rows are error rows with the message, the one-node rows run, nothing crashes."""
+    from conftest import BACKEND, DEVICE
+    R = group.size()
+    if BACKEND != "cpu" or R < 2:
+        why = "the cuda backend refuses for real (test_bench_ll_nodes_in_group)" if BACKEND != "cpu" else "one rank"
+        print(f"\ntest_bench_ll_nodes_not_available: skipped: {why}", flush=True)
+        pytest.skip(why)
+    clean = pyep.Buffer.clean_low_latency_buffer
+
+    def refuse(self, *a, **kw):
+        if self.runtime.get_num_rdma_ranks() > 1:
+            raise pyep.NotAvailableError("Buffer.clean_low_latency_buffer: low-latency mode across nodes on the cuda "
+                                         "backend needs NVSHMEM (a stand-in)")
+        return clean(self, *a, **kw)
+
+    monkeypatch.setattr(pyep.Buffer, "clean_low_latency_buffer", refuse)
+    monkeypatch.delenv("PYEP_RANKS_PER_NODE", raising=False)
+    args = bench.parse_args(TINY[TINY.index("--tokens"):] + ["--device", DEVICE, "--ll", "--impls", "pyep",
+                                                             "--ll-nodes", "1", "--out", str(tmp_path)])
+    report = bench.run(args, group)
+    assert "PYEP_RANKS_PER_NODE" not in os.environ
+    if group.rank() != 0:
+        return
+    assert len(report["results"]) == 2 * len(bench.LL_OPS)
+    for r in report["results"]:
+        if r["ranks_per_node"] == 1:
+            assert r["error"].startswith("prepare: rank 0: NotAvailableError: Buffer.clean_low_latency_buffer"), r["error"]
+        else:
+            assert r["ranks_per_node"] == 0 and r["error"] is None, r["error"]
+
+
+def test_ranks_per_node_env_is_restored(monkeypatch):
+    from pyep.bench.ll_runner import ranks_per_node_env
+    monkeypatch.delenv("PYEP_RANKS_PER_NODE", raising=False)
+    with ranks_per_node_env(2):
+        assert os.environ["PYEP_RANKS_PER_NODE"] == "2"
+    assert "PYEP_RANKS_PER_NODE" not in os.environ
+    monkeypatch.setenv("PYEP_RANKS_PER_NODE", "4")
+    with pytest.raises(RuntimeError):
+        with ranks_per_node_env(1):
+            assert os.environ["PYEP_RANKS_PER_NODE"] == "1"
+            raise RuntimeError("a Buffer that failed")
+    assert os.environ["PYEP_RANKS_PER_NODE"] == "4"
+
+
+def test_bench_ll_nodes_plan():
+    plan = bench.make_plan(bench.parse_args(["--ll", "--ll-nodes", "1,2,3,8"]), "cuda", 8)
+    assert plan.ll_nodes == [1, 2] and set(plan.ll_nodes_skipped) == {3, 8}
+    assert "does not divide" in plan.ll_nodes_skipped[3] and "one node" in plan.ll_nodes_skipped[8]
+    assert any("DeepEP has no emulated nodes" in n for n in plan.notes)
+    assert bench.make_plan(bench.parse_args(["--ll"]), "cuda", 8).ll_nodes == []
+    none = bench.make_plan(bench.parse_args(["--ops", "dispatch_bf16", "--ll-nodes", "2"]), "cuda", 8)
+    assert none.ll_nodes == [] and any("--ll-nodes 2: no pyep low-latency rows" in n for n in none.notes)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ll-nodes", "0"])
 
 
 def test_bench_replot(tiny_report, tmp_path):

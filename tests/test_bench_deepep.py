@@ -344,6 +344,7 @@ def test_bench_drives_deepep_low_latency(deepep_report):
         assert d["error"] is None, (op, d["error"])
         assert (d["tokens"], d["hidden"], d["topk"], d["experts"]) == (16, 256, 4, 8)
         assert d["config"] is None and d["num_sms"] is None
+        assert d["ranks_per_node"] == p["ranks_per_node"] == 0  # one node: DeepEP has no emulated nodes
         assert 0 <= d["combine_err_max"] < 0.08
         for dr, pr in zip(d["per_rank"], p["per_rank"]):
             assert dr["recv_tokens"] == pr["recv_tokens"] and dr["bytes"] == pr["bytes"] > 0

@@ -10,7 +10,9 @@ A case is checked once before it is timed, so that a broken run cannot print fig
 count against the routing of all ranks (gathered), and a combine of the dispatched rows (dequantized from FP8) against
 x times the sum of the token's valid weights, token by token.
 """
-from typing import Callable, List, Optional, Tuple
+import contextlib
+import os
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,23 @@ COMBINE_TOLERANCE = 0.08
 # DeepEP's count (tests/test_low_latency.py) per valid (token, expert) selection: an FP8 row, its float32 scale per 128
 # channels and 16 bytes (dispatch); a BF16 row (combine).
 LL_META_BYTES = 16
+# pyep's node emulation: each k consecutive ranks one node, read by the core when a Buffer is made.
+RANKS_PER_NODE_ENV = "PYEP_RANKS_PER_NODE"
+
+
+@contextlib.contextmanager
+def ranks_per_node_env(k: int) -> Iterator[None]:
+    """PYEP_RANKS_PER_NODE=k while the block runs (a Buffer's construction), then the environment as it was (unset,
+    or the value it had)."""
+    saved = os.environ.get(RANKS_PER_NODE_ENV)
+    os.environ[RANKS_PER_NODE_ENV] = str(k)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(RANKS_PER_NODE_ENV, None)
+        else:
+            os.environ[RANKS_PER_NODE_ENV] = saved
 
 
 def ll_bytes(op: str, selections: int, hidden: int) -> int:
@@ -47,19 +66,37 @@ def dequantize(recv: Tuple[torch.Tensor, torch.Tensor], count: torch.Tensor) -> 
 
 class LowLatencyRunner:
     """Low-latency mode of one implementation (pyep or DeepEP), through DeepEP V1's API. `launched` (pyep on cuda)
-    is the clock reading of the latest kernel launch, as the normal-mode runner's."""
+    is the clock reading of the latest kernel launch, as the normal-mode runner's.
+
+    `ranks_per_node` k > 0 (pyep only): the Buffer is made with PYEP_RANKS_PER_NODE=k set around its construction
+    only, so that each k consecutive ranks are one node and peers of other nodes are reached through the put/signal
+    path. 0: the Buffer of one node, made in the environment as it is. After open, the node size the Buffer has
+    (pyep's `runtime.ranks_per_node`, 0 where unset or for DeepEP)."""
 
     ops = LL_OPS
     note: Optional[str] = None
 
     def __init__(self, name: str, module, group: dist.ProcessGroup,
-                 launched_of: Optional[Callable[[object], Optional[Callable[[], float]]]] = None) -> None:
+                 launched_of: Optional[Callable[[object], Optional[Callable[[], float]]]] = None,
+                 ranks_per_node: int = 0) -> None:
         self.name, self.module, self.group = name, module, group
         self.num_ranks, self.rank = group.size(), group.rank()
         self.topk_t = module.topk_idx_t
         self.buffer = None
         self.launched: Optional[Callable[[], float]] = None
         self._launched_of = launched_of
+        self.ranks_per_node = ranks_per_node
+
+    @property
+    def label(self) -> str:
+        """The runner in `skipped` and messages: `pyep low-latency`, `pyep low-latency ranks_per_node=2`."""
+        return f"{self.name} low-latency" + (f" ranks_per_node={self.ranks_per_node}" if self.ranks_per_node else "")
+
+    @property
+    def num_nodes(self) -> int:
+        """The nodes of the group: num_ranks / ranks_per_node; one-node runners: DeepEP's nodes of 8 ranks."""
+        k = self.ranks_per_node or 8
+        return -(-self.num_ranks // k)
 
     def open(self, cases: List[LLCase]) -> None:
         """Makes the low-latency Buffer: num_rdma_bytes the largest size hint of the cases, num_qps_per_rank the most
@@ -74,8 +111,16 @@ class LowLatencyRunner:
             qps = max(qps, c.experts // self.num_ranks)
         if size == 0:
             raise ValueError("no low-latency case has a buffer size (get_low_latency_rdma_size_hint refused them all)")
-        self.buffer = self.module.Buffer(self.group, num_rdma_bytes=size, low_latency_mode=True, num_qps_per_rank=qps,
-                                         explicitly_destroy=True)
+        kw = dict(num_rdma_bytes=size, low_latency_mode=True, num_qps_per_rank=qps, explicitly_destroy=True)
+        if self.ranks_per_node:
+            with ranks_per_node_env(self.ranks_per_node):  # the core reads it here, at construction
+                self.buffer = self.module.Buffer(self.group, **kw)
+        else:
+            self.buffer = self.module.Buffer(self.group, **kw)
+        # What the Buffer has (pyep): PYEP_RANKS_PER_NODE as its core read it, 0 when unset. DeepEP: none.
+        got = getattr(getattr(self.buffer, "runtime", None), "ranks_per_node", None)
+        if isinstance(got, int) and not isinstance(got, bool):
+            self.ranks_per_node = got
         if self._launched_of is not None:
             self.launched = self._launched_of(self.buffer)
 

@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "16:256:x2 on GPU, 32,128 on cpu)")
     p.add_argument("--ll-experts", type=_int_list, dest="ll_experts",
                    help="low-latency experts, rounded down to a multiple of the ranks (default 288 on GPU, 64 on cpu)")
+    p.add_argument("--ll-nodes", type=_int_list, dest="ll_nodes", metavar="K[,K...]",
+                   help="pyep's low-latency rows once more per node size k, on a low-latency Buffer of its own made with "
+                        "PYEP_RANKS_PER_NODE=k (each k consecutive ranks one node; peers of other nodes through the "
+                        "put/signal path); k must divide the ranks and be less than them (default: none)")
     p.add_argument("--ops", type=_name_list(OPS + FABRIC_OPS + LL_OPS),
                    help=f"operations to measure (default all: {','.join(OPS + FABRIC_OPS + LL_OPS)}; --tune: the tuned three)")
     p.add_argument("--ll", action="store_true", help=f"the low-latency ops only ({','.join(LL_OPS)}): short for --ops with them")
@@ -161,6 +165,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             raise SystemExit(f"--{name.replace('_', '-')} = {v}: out of range")
     if args.ll and args.ops:
         raise SystemExit("--ll and --ops: pass one of them")
+    if args.ll_nodes and min(args.ll_nodes) <= 0:
+        raise SystemExit(f"--ll-nodes {','.join(map(str, args.ll_nodes))}: node sizes must be positive")
     if not 0 <= args.mask_ratio < 1:
         raise SystemExit(f"--mask-ratio = {args.mask_ratio}: expected 0 <= r < 1")
     return args
@@ -211,6 +217,10 @@ class Plan:
     notes: List[str]
     ll_cases: List["LLCase"] = field(default_factory=list)
     ll_reference: dict = field(default_factory=dict)
+    # --ll-nodes: the node sizes pyep's low-latency rows run again with (PYEP_RANKS_PER_NODE=k), and those skipped
+    # ({k: why}: k does not divide the ranks, or k >= ranks, one node).
+    ll_nodes: List[int] = field(default_factory=list)
+    ll_nodes_skipped: dict = field(default_factory=dict)
 
 
 def _reference(values: list, preferred):
@@ -283,12 +293,40 @@ def make_plan(args: argparse.Namespace, backend: str, num_ranks: int) -> Plan:
     ll_cases, ll_ref = [], {}
     if any(op in LL_OPS for op in ops):
         ll_cases, ll_ref = _ll_cases(args, mode, backend, num_ranks, lists, notes)
+    ll_nodes, ll_nodes_skipped = _ll_nodes(args, ops, impls, ll_cases, num_ranks, notes)
     it = _ITERS[backend]
     return Plan(mode=mode, backend=backend, lists=lists, reference=ref, cases=cases, ops=ops, impls=impls,
                 warmup=it["warmup"] if args.warmup is None else args.warmup,
                 iters=it["iters"] if args.iters is None else args.iters,
                 host_iters=it["host_iters"] if args.host_iters is None else args.host_iters, notes=notes,
-                ll_cases=ll_cases, ll_reference=ll_ref)
+                ll_cases=ll_cases, ll_reference=ll_ref, ll_nodes=ll_nodes, ll_nodes_skipped=ll_nodes_skipped)
+
+
+def _ll_nodes(args: argparse.Namespace, ops: List[str], impls: List[str], ll_cases: List["LLCase"], num_ranks: int,
+              notes: List[str]) -> Tuple[List[int], dict]:
+    """--ll-nodes: the node sizes that run (pyep's low-latency rows once more each, PYEP_RANKS_PER_NODE=k) and those
+    skipped with why. A k that does not divide the ranks is refused by pyep; k >= ranks is one node (nothing to
+    emulate). DeepEP has no emulated nodes: a note says so."""
+    given = list(getattr(args, "ll_nodes", None) or [])
+    if not given:
+        return [], {}
+    if not ll_cases or "pyep" not in impls:
+        notes.append(f"--ll-nodes {','.join(map(str, given))}: no pyep low-latency rows to run with emulated nodes "
+                     f"({'no low-latency op' if not ll_cases else 'pyep is not among --impls'})")
+        return [], {}
+    run, skipped = [], {}
+    for k in given:
+        if k >= num_ranks:
+            skipped[k] = (f"PYEP_RANKS_PER_NODE={k} on {num_ranks} ranks: one node, nothing to emulate (the one-node "
+                          f"rows are these)")
+        elif num_ranks % k:
+            skipped[k] = f"PYEP_RANKS_PER_NODE={k} does not divide the {num_ranks} ranks"
+        else:
+            run.append(k)
+    if "deepep" in impls:
+        notes.append("--ll-nodes: pyep only; DeepEP has no emulated nodes (PYEP_RANKS_PER_NODE is pyep's): its "
+                     "low-latency rows are one node's")
+    return run, skipped
 
 
 def _ll_cases(args: argparse.Namespace, mode: str, backend: str, num_ranks: int, lists: dict,

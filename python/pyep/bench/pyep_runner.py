@@ -30,8 +30,10 @@ class PyepRunner(EPRunner):
         super().open(cases)
         self.launched = _launch_stamp(self.buffer)
 
-    def low_latency(self) -> LowLatencyRunner:
-        return LowLatencyRunner(self.name, self.module, self.group, launched_of=_launch_stamp)
+    def low_latency(self, ranks_per_node: int = 0) -> LowLatencyRunner:
+        """The low-latency runner; ranks_per_node k > 0: its Buffer made with PYEP_RANKS_PER_NODE=k (emulated nodes)."""
+        return LowLatencyRunner(self.name, self.module, self.group, launched_of=_launch_stamp,
+                                ranks_per_node=ranks_per_node)
 
 
 def _launch_stamp(buffer: pyep.Buffer) -> Optional[Callable[[], float]]:

@@ -13,7 +13,7 @@ from .. import tuning
 from .plan import FP8_FACTOR, LL_OPS, TUNE_KINDS, Plan
 from .plots import plot
 
-SCHEMA = "pyep-bench/3"
+SCHEMA = "pyep-bench/4"
 
 
 def _err(e: BaseException) -> str:
@@ -37,6 +37,10 @@ def _merge(records: List[dict]) -> dict:
     """One result from every rank's record of one measurement (same order on all ranks)."""
     first = records[0]
     out = {k: first[k] for k in ("impl", "op", "tokens", "hidden", "topk", "experts", "num_sms", "nvl_send", "nvl_recv", "config")}
+    if first["op"] in LL_OPS:
+        # The low-latency Buffer's nodes (error rows too): ranks_per_node 0 for one node, k for PYEP_RANKS_PER_NODE=k.
+        out["ranks_per_node"] = first.get("ranks_per_node", 0)
+        out["num_nodes"] = first.get("num_nodes", 1)
     errors = [r["error"] for r in records if r.get("error")]  # agreed: the same on every rank, naming the rank
     out["error"] = errors[0] if errors else None
     if errors:
@@ -83,9 +87,11 @@ class Table:
                      (f"time {self.mu}", 10, ">"), ("(min-max)", 19, "<"), ("GB/s avg", 8, ">"), ("GB/s min", 8, ">"),
                      (f"launch {self.mu}", 9, ">"), (f"call {self.mu}", 8, ">"), (f"result {self.mu}", 9, ">")]
 
-        # Low-latency rows: no SMs or Config; the hooked call's send and receive phases instead.
+        # Low-latency rows: no SMs or Config; the Buffer's nodes (-: one node; 2x2: 2 emulated nodes of 2 ranks,
+        # PYEP_RANKS_PER_NODE=2); the hooked call's send and receive phases.
         self.ll_cols = [("op", 19, "<") if c[0] == "op" else c for c in self.cols if c[0] not in ("SMs", "nvl s/r")] + [
             (f"send {self.mu}", 8, ">"), (f"recv {self.mu}", 8, ">")]
+        self.ll_cols.insert(1, ("nodes", 5, "<"))
 
     @staticmethod
     def _head(cols) -> str:
@@ -122,8 +128,14 @@ class Table:
         return " ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, self.cols)).rstrip()
 
 
+    @staticmethod
+    def nodes(r: dict) -> str:
+        """A low-latency row's nodes column: `-` for one node, `NxK` for N emulated nodes of K ranks."""
+        k = r.get("ranks_per_node") or 0
+        return f"{r.get('num_nodes')}x{k}" if k else "-"
+
     def _ll_row(self, r: dict, num) -> str:
-        head = [r["impl"], r["op"], str(r["tokens"]), str(r["hidden"]), str(r["topk"]), str(r["experts"])]
+        head = [r["impl"], self.nodes(r), r["op"], str(r["tokens"]), str(r["hidden"]), str(r["topk"]), str(r["experts"])]
         if r.get("error"):
             vals = head + [f"ERROR {r['error']}"]
         else:
@@ -227,7 +239,7 @@ def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], ela
                  "ops": plan.ops, "impls": plan.impls, "warmup": plan.warmup, "iters": plan.iters,
                  "host_iters": plan.host_iters, "flush_mb": args.flush_mb if cuda else 0,
                  "num_cases": len(plan.cases), "notes": plan.notes, "ll_reference": plan.ll_reference,
-                 "num_ll_cases": len(plan.ll_cases)},
+                 "num_ll_cases": len(plan.ll_cases), "ll_nodes": plan.ll_nodes},
         "metrics": {
             "time": "per rank: median (min, max) over the timed calls; across ranks: the average of the medians",
             "gbps": "per rank: bytes / median time; dispatch_bf16, dispatch_cached, combine_bf16, alltoall_bf16: recv_tokens * hidden * 2;"
@@ -243,6 +255,10 @@ def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], ela
             "ll": "low-latency rows (ll_dispatch: FP8, ll_combine: BF16, ll_dispatch_combine: both back to back, the "
                   "combine on the dispatch's handle), a Buffer with low_latency_mode=True; time as above, host figures of "
                   "the plain call (async_finish=False); recv_tokens: rows received by the rank's experts (sum of recv_count)",
+            "ranks_per_node": "low-latency rows: the node size of the row's Buffer, 0 for one node (PYEP_RANKS_PER_NODE "
+                              "unset); k > 0 (--ll-nodes, pyep only): made with PYEP_RANKS_PER_NODE=k, each k consecutive "
+                              "ranks one node, peers of other nodes reached through the put/signal path; num_nodes: "
+                              "ranks / k (one node: 1 up to 8 ranks)",
             "ll_gbps": "DeepEP's low-latency count (tests/test_low_latency.py), per rank over its valid top-k selections s: "
                        "ll_dispatch s * (hidden + hidden/128*4 + 16), ll_combine s * hidden * 2, ll_dispatch_combine the "
                        "sum; / the median time",

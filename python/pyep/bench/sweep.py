@@ -17,6 +17,7 @@ from .env import environment
 from .ep_runner import EPRunner
 from .gpus import SHARED_NOTE, Placement, placement
 from .inputs import make_routing, make_x
+from .ll_runner import LowLatencyRunner
 from .plan import LL_OPS, Case, Plan, make_plan
 from .report import Progress, Table, _bytes_of, _err, _finish, _merge, _us, default_out_dir
 from .pyep_runner import PyepRunner
@@ -69,13 +70,18 @@ def _record(impl, case: Case, op: str, rank: int, **fields) -> dict:
     rec = dict(impl=impl.name, op=op, tokens=case.tokens, hidden=case.hidden, topk=case.topk, experts=case.experts,
                num_sms=case.num_sms if ep else None, nvl_send=case.nvl_send if ep else None,
                nvl_recv=case.nvl_recv if ep else None, config=None, error=None, rank=rank)
+    if isinstance(impl, LowLatencyRunner):
+        # The low-latency Buffer's nodes: ranks_per_node 0 for one node (PYEP_RANKS_PER_NODE unset).
+        rec.update(ranks_per_node=impl.ranks_per_node, num_nodes=impl.num_nodes)
     rec.update(fields)
     return rec
 
 
 def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple[list, list, Dict[str, str], dict]:
-    """The implementations that can run on every rank, their low-latency runners (each with its Buffer), those
-    skipped (with why; "<impl> low-latency" where only that Buffer failed), and DeepEP's import info."""
+    """The implementations that can run on every rank, their low-latency runners (each with its Buffer; pyep's once
+    more per --ll-nodes size, after the one-node runners), those skipped (with why; "<impl> low-latency" where only
+    that Buffer failed, "pyep low-latency ranks_per_node=k" for a node size that did not run), and DeepEP's import
+    info."""
     R = group.size()
     skipped: Dict[str, str] = {}
     deepep_mod, deepep_info = None, {"version": None, "skipped": "not requested"}
@@ -122,7 +128,24 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple
         ll = impl.low_latency()
         why = _agreed_try(group, lambda: ll.open(plan.ll_cases))
         if why:
-            skipped[f"{impl.name} low-latency"] = why
+            skipped[ll.label] = why
+            ll.close()
+        else:
+            lls.append(ll)
+    # --ll-nodes: pyep's low-latency rows again on a Buffer of emulated nodes each (PYEP_RANKS_PER_NODE=k around its
+    # construction only). On the cuda backend the Buffer is made, and each case's first call raises NotAvailableError
+    # (across nodes needs NVSHMEM): the case's error rows say so.
+    pyep_impl = next((i for i in impls if i.name == "pyep" and isinstance(i, EPRunner)), None)
+    for k, why in plan.ll_nodes_skipped.items():
+        skipped[f"pyep low-latency ranks_per_node={k}"] = why
+    for k in plan.ll_nodes if plan.ll_cases else []:
+        if pyep_impl is None:
+            skipped[f"pyep low-latency ranks_per_node={k}"] = "pyep did not run"
+            continue
+        ll = pyep_impl.low_latency(ranks_per_node=k)
+        why = _agreed_try(group, lambda: ll.open(plan.ll_cases))
+        if why:
+            skipped[ll.label] = why
             ll.close()
         else:
             lls.append(ll)
@@ -228,6 +251,7 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
         emit(f"pyep {pyep.__version__} bench: {where.describe(R, env.get('gpu'))}, {plan.mode}: {len(plan.cases)} cases"
              f"{f' + {len(plan.ll_cases)} low-latency' if plan.ll_cases else ''}, "
              f"ops {','.join(plan.ops)}, impls {','.join(i.name for i in impls) or 'none'}, "
+             f"{''.join(f'{ll.name} low-latency on {ll.num_nodes}x{ll.ranks_per_node} nodes, ' for ll in lls if ll.ranks_per_node)}"
              f"warmup {plan.warmup}, iters {plan.iters}, host iters {plan.host_iters}")
         for name, why in skipped.items():
             emit(f"skipped {name}: {why}")
