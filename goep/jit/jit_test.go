@@ -2,11 +2,9 @@ package jit
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"sort"
@@ -18,21 +16,15 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/pyep/pyep/goep/dl/dltest"
 )
 
 // TestMain points the NVRTC search at this machine's Python packages when nobody else has: the
 // Python layer sets PYEP_SITE_PACKAGES in real use, and here python3 (if any) tells us where
 // PyTorch's NVIDIA wheels are.
 func TestMain(m *testing.M) {
-	if os.Getenv("PYEP_NVRTC") == "" && os.Getenv("PYEP_SITE_PACKAGES") == "" {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		out, err := exec.CommandContext(ctx, "python3", "-c",
-			"import site, sys; print(':'.join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))").Output()
-		cancel()
-		if err == nil {
-			os.Setenv("PYEP_SITE_PACKAGES", strings.TrimSpace(string(out)))
-		}
-	}
+	dltest.UsePythonSitePackages("PYEP_NVRTC")
 	os.Exit(m.Run())
 }
 

@@ -1,13 +1,10 @@
 package nvshmem
 
 import (
-	"context"
 	"crypto/rand"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -15,20 +12,13 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pyep/pyep/goep/cuda/driver"
+	"github.com/pyep/pyep/goep/dl/dltest"
 )
 
 // TestMain points the search at this machine's Python packages when nobody else has, as the
 // Python layer does in real use (PYEP_SITE_PACKAGES).
 func TestMain(m *testing.M) {
-	if os.Getenv(DirEnv) == "" && os.Getenv("PYEP_SITE_PACKAGES") == "" {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		out, err := exec.CommandContext(ctx, "python3", "-c",
-			"import site, sys; print(':'.join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))").Output()
-		cancel()
-		if err == nil {
-			os.Setenv("PYEP_SITE_PACKAGES", strings.TrimSpace(string(out)))
-		}
-	}
+	dltest.UsePythonSitePackages(DirEnv)
 	os.Exit(m.Run())
 }
 
