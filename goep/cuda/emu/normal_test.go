@@ -1,0 +1,212 @@
+//go:build cgo
+
+package emu_test
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda"
+	"github.com/pyep/pyep/goep/cuda/emu"
+	"github.com/pyep/pyep/goep/dlpack"
+)
+
+// The normal-mode cases of the emulated engine (runCase), its failures, and shapes of GPU runs.
+
+var bf16 = dlpack.BF16
+
+func TestEmulatedRoundTrip(t *testing.T) {
+	cases := []rcase{
+		{name: "bf16_R2", R: 2, T: 70, E: 8, K: 4, hidden: 256, dtype: bf16, cfg: cfg(4, 2, 8), align: 1, bias: 2},
+		{name: "bf16_R2_one_channel_big_ring", R: 2, T: 33, E: 8, K: 4, hidden: 256, dtype: bf16, cfg: cfg(2, 6, 256), align: 4, bias: 1},
+		{name: "bf16_R2_worst_uneven", R: 2, E: 8, K: 4, hidden: 256, dtype: bf16, cfg: cfg(6, 3, 7), align: 1, worst: 3,
+			tokensPer: func(r int) int { return []int{50, 0}[r] }},
+		{name: "fp8_R2", R: 2, T: 40, E: 8, K: 4, hidden: 256, dtype: dlpack.FP8E4M3, scales: 2, cfg: cfg(4, 2, 8), align: 1,
+			combineDT: bf16, bias: 0},
+		{name: "fp8_R2_column_major_scales", R: 2, T: 37, E: 8, K: 4, hidden: 256, dtype: dlpack.FP8E4M3, scales: 2,
+			colScales: true, scalePad: 3, cfg: cfg(4, 2, 8), align: 1, combineDT: bf16},
+		{name: "odd_hidden_R2", R: 2, T: 45, E: 4, K: 3, hidden: 99, dtype: bf16, cfg: cfg(4, 3, 10), align: 1, bias: 1},
+		{name: "f32_R2", R: 2, T: 30, E: 6, K: 4, hidden: 64, dtype: dlpack.F32, cfg: cfg(2, 2, 5), align: 1, bias: 2},
+		{name: "bf16_R3_silent", R: 3, T: 50, E: 9, K: 4, hidden: 256, dtype: bf16, cfg: cfg(4, 2, 8), align: 1, bias: 1, silent: 2},
+		// Any shape builds at its first launch: rows of 7168 bytes and an odd top-k, which no
+		// kernel built ahead of time had.
+		{name: "bf16_R2_hidden_3584_top5", R: 2, T: 24, E: 10, K: 5, hidden: 3584, dtype: bf16, cfg: cfg(4, 2, 8), align: 1, bias: 1},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			envs := newDomain(t, c.R, 8<<20)
+			runCase(t, envs, c)
+			// The buffer works again for a second round (counters reset, barriers numbered on).
+			runCase(t, envs, c)
+		})
+	}
+}
+
+// TestEmulatedUseFabric: the kernels over use_fabric buffers, cuMem memory that each rank
+// maps at its own address, shared through file descriptors or fabric handles.
+func TestEmulatedUseFabric(t *testing.T) {
+	c := rcase{name: "bf16_R3", R: 3, T: 50, E: 9, K: 4, hidden: 256, dtype: bf16, cfg: cfg(4, 2, 8), align: 1, bias: 1}
+	for _, mode := range []string{"fd", "fabric"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Setenv(cuda.MemHandleEnv, mode)
+			envs := newDomainOf(t, c.R, 8<<20, emu.Options(), true)
+			runCase(t, envs, c)
+		})
+	}
+}
+
+// notifyOps makes every rank's inputs of c and its layout, and returns notify arguments.
+func notifyOps(t *testing.T, envs []*rankEnv, c rcase) []*goep.NotifyOp {
+	R, K, E, C := c.R, c.K, c.E, c.cfg.NumChannels()
+	ops := make([]*goep.NotifyOp, R)
+	for r, e := range envs {
+		topk, _, _, _ := c.inputs(r)
+		T := int64(c.tokens(r))
+		dTopk := e.upload(t, dlpack.I64, bytesOf(topk), T, int64(K))
+		op := &goep.NotifyOp{Config: c.cfg, NumTokens: int(T), NumExperts: E, ExpertAlignment: 1, TopkIdx: dTopk.t,
+			PerRank: e.alloc(t, dlpack.I32, int64(R)).t, PerExpert: e.alloc(t, dlpack.I32, int64(E)).t,
+			InRank: e.alloc(t, dlpack.BoolT, T, int64(R)).t, RankPrefix: e.alloc(t, dlpack.I32, int64(R), int64(R)).t,
+			ChannelPrefix: e.alloc(t, dlpack.I32, int64(R), int64(C)).t, RecvChannelPrefix: e.alloc(t, dlpack.I32, int64(R), int64(C)).t,
+			RecvPerExpert: e.alloc(t, dlpack.I32, int64(E/R)).t}
+		require.NoError(t, e.normal().Layout(&goep.LayoutOp{NumExperts: E, NumRanks: R, TopkIdx: dTopk.t, PerRank: op.PerRank,
+			PerExpert: op.PerExpert, InRank: op.InRank}))
+		ops[r] = op
+	}
+	return ops
+}
+
+func notifyAll(envs []*rankEnv, ops []*goep.NotifyOp, only ...int) []error {
+	return each(len(envs), func(r int) error {
+		if len(only) > 0 && only[0] != r {
+			return nil
+		}
+		peers, err := envs[r].buf.Peers()
+		if err != nil {
+			return err
+		}
+		_, err = envs[r].normal().Notify(peers, ops[r])
+		return err
+	})
+}
+
+func TestEmulatedErrors(t *testing.T) {
+	c := rcase{R: 2, T: 40, E: 8, K: 4, hidden: 256, dtype: bf16, cfg: cfg(4, 2, 8), align: 1, bias: 1}
+	envs := newDomain(t, c.R, 8<<20)
+
+	// An expert index out of range on rank 1: rank 1 says which, rank 0 names rank 1.
+	ops := notifyOps(t, envs, c)
+	bad := unsafe.Slice((*int64)(ops[1].TopkIdx.Data), c.T*c.K)
+	bad[3*c.K+2] = 13
+	errs := notifyAll(envs, ops)
+	require.Error(t, errs[1])
+	assert.True(t, goep.IsArgument(errs[1]))
+	assert.Contains(t, errs[1].Error(), "topk_idx[3,2] = 13 is out of range [0, 8)")
+	require.Error(t, errs[0])
+	assert.False(t, goep.IsArgument(errs[0]))
+	assert.Contains(t, errs[0].Error(), "rank 1 has invalid arguments")
+	assert.Contains(t, errs[0].Error(), "topk_idx[3,2] = 13")
+
+	// The buffer still works.
+	runCase(t, envs, c)
+
+	// A bad index given to the layout (which does not wait for the GPU) fails the next notify,
+	// here one without topk_idx, on every rank; a later layout's record replaces it.
+	ops = notifyOps(t, envs, c)
+	lbad := envs[0].upload(t, dlpack.I64, bytesOf([]int64{0, 1, 2, 3, 4, 5, 6, -1, -1, 99, 0, 1}), 3, 4)
+	require.NoError(t, envs[0].normal().Layout(&goep.LayoutOp{NumExperts: c.E, NumRanks: c.R, TopkIdx: lbad.t,
+		PerRank: envs[0].alloc(t, dlpack.I32, int64(c.R)).t, PerExpert: envs[0].alloc(t, dlpack.I32, int64(c.E)).t,
+		InRank: envs[0].alloc(t, dlpack.BoolT, 3, int64(c.R)).t}))
+	for _, op := range ops {
+		op.TopkIdx = dlpack.Tensor{}
+	}
+	errs = notifyAll(envs, ops)
+	require.Error(t, errs[0])
+	assert.True(t, goep.IsArgument(errs[0]))
+	assert.Contains(t, errs[0].Error(), "in its last get_dispatch_layout, topk_idx[2,1] = 99 is out of range [0, 8)")
+	require.Error(t, errs[1])
+	assert.Contains(t, errs[1].Error(), "rank 0 has invalid arguments")
+	runCase(t, envs, c)
+
+	// num_worst_tokens too small: the same error everywhere.
+	ops = notifyOps(t, envs, c)
+	for _, op := range ops {
+		op.NumWorstTokens = 1
+	}
+	for r, err := range notifyAll(envs, ops) {
+		require.Error(t, err, "rank %d", r)
+		assert.True(t, goep.IsArgument(err))
+		assert.Contains(t, err.Error(), "num_worst_tokens = 1 is too small: rank")
+	}
+	runCase(t, envs, c)
+
+	// A buffer too small for the rings says so before anything moves.
+	small := newDomain(t, c.R, 4096)
+	sops := notifyOps(t, small, c)
+	noErrors(t, notifyAll(small, sops))
+	for r, err := range each(c.R, func(r int) error {
+		peers, _ := small[r].buf.Peers()
+		return small[r].normal().Dispatch(peers, &goep.DispatchOp{Config: c.cfg, HiddenBytes: 512})
+	}) {
+		require.Error(t, err, "rank %d", r)
+		assert.True(t, goep.IsArgument(err))
+		assert.Contains(t, err.Error(), "num_nvl_bytes = 4096 is too small")
+	}
+
+	// Rank 1 never calls: rank 0's notify times out naming it; then rank 1's call and every
+	// later one fail at once.
+	goep.SetOpTimeout(300 * time.Millisecond)
+	defer goep.SetOpTimeout(20 * time.Second)
+	ops = notifyOps(t, envs, c)
+	start := time.Now()
+	errs = notifyAll(envs, ops, 0)
+	require.Error(t, errs[0])
+	t.Log(errs[0])
+	assert.Contains(t, errs[0].Error(), "timed out after")
+	assert.Contains(t, errs[0].Error(), "waiting for rank 1 to join the call")
+	assert.Less(t, time.Since(start), 5*time.Second)
+	errs = notifyAll(envs, ops, 1)
+	require.Error(t, errs[1])
+	t.Log(errs[1])
+	assert.Contains(t, errs[1].Error(), "stopped because rank 0 timed out waiting for rank 1")
+	errs = notifyAll(envs, ops, 0)
+	require.Error(t, errs[0])
+	assert.Contains(t, errs[0].Error(), "failed earlier")
+}
+
+// Four ranks at a GPU run's shape: DeepEP's config of 20 SMs, hidden 2880.
+func TestEmulatedFourRanks(t *testing.T) {
+	if testing.Short() {
+		t.Skip("thousands of threads")
+	}
+	c := rcase{name: "hidden_2880_R4", R: 4, T: 48, E: 16, K: 8, hidden: 2880, dtype: bf16, cfg: cfg(20, 6, 256), align: 1, bias: 2}
+	envs := newDomainWith(t, c.R, 96<<20, emu.Options4())
+	runCase(t, envs, c)
+}
+
+// Four ranks with the GPU's block size (24 warps: five sub-rings a ring), one channel: slow.
+// The ring of 3 slots has fewer slots than a peer has sending warps (three sub-rings of one).
+func TestEmulatedGPUBlocks(t *testing.T) {
+	if os.Getenv("PYEP_EMU_SLOW") == "" {
+		t.Skip("set PYEP_EMU_SLOW=1: thousands of threads")
+	}
+	sms := 2
+	if v, err := strconv.Atoi(os.Getenv("PYEP_EMU_SMS")); err == nil {
+		sms = v
+	}
+	for _, ring := range []int{256, 3} {
+		c := rcase{name: fmt.Sprintf("hidden_2880_R4_768_ring%d", ring), R: 4, T: 48, E: 16, K: 8, hidden: 2880, dtype: bf16,
+			cfg: cfg(sms, 2, ring), align: 1, bias: 2}
+		t.Run(c.name, func(t *testing.T) {
+			envs := newDomainWith(t, c.R, 96<<20, emu.OptionsGPU())
+			runCase(t, envs, c)
+		})
+	}
+}
