@@ -45,12 +45,7 @@ func requireNVRTC(t *testing.T) *NVRTC {
 
 func TestCandidates(t *testing.T) {
 	root := t.TempDir()
-	touch := func(rel string) string {
-		p := filepath.Join(root, rel)
-		require.NoError(t, os.MkdirAll(filepath.Dir(p), 0o755))
-		require.NoError(t, os.WriteFile(p, nil, 0o644))
-		return p
-	}
+	touch := func(rel string) string { return dltest.Touch(t, root, rel) }
 	sp1, sp2 := filepath.Join(root, "sp1"), filepath.Join(root, "sp2")
 	cu12 := touch("sp1/nvidia/cu12/lib/libnvrtc.so.12")
 	cu13 := touch("sp1/nvidia/cu13/lib/libnvrtc.so.13")

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pyep/pyep/goep/dl/dltest"
 	"github.com/pyep/pyep/goep/nvshmem"
 )
 
@@ -56,12 +57,7 @@ func requireNVSHMEMDevice(t *testing.T) (includeDir, deviceLibrary string) {
 
 func TestJitLinkCandidates(t *testing.T) {
 	root := t.TempDir()
-	touch := func(rel string) string {
-		p := filepath.Join(root, rel)
-		require.NoError(t, os.MkdirAll(filepath.Dir(p), 0o755))
-		require.NoError(t, os.WriteFile(p, nil, 0o644))
-		return p
-	}
+	touch := func(rel string) string { return dltest.Touch(t, root, rel) }
 	beside := touch("cuda/lib64/libnvJitLink.so.12")
 	wheel := touch("sp/nvidia/nvjitlink/lib/libnvJitLink.so.12")
 	cu13 := touch("sp/nvidia/cu13/lib/libnvJitLink.so.13")

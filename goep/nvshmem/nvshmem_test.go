@@ -47,12 +47,7 @@ func hasGPU() bool {
 
 func TestCandidates(t *testing.T) {
 	root := t.TempDir()
-	touch := func(rel string) string {
-		p := filepath.Join(root, rel)
-		require.NoError(t, os.MkdirAll(filepath.Dir(p), 0o755))
-		require.NoError(t, os.WriteFile(p, nil, 0o644))
-		return p
-	}
+	touch := func(rel string) string { return dltest.Touch(t, root, rel) }
 	mine := touch("mine/lib/libnvshmem_host.so.3")
 	sp1 := touch("sp1/nvidia/nvshmem/lib/libnvshmem_host.so.3")
 	sp2 := touch("sp2/nvidia/nvshmem/lib/libnvshmem_host.so.3")

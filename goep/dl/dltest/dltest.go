@@ -7,7 +7,9 @@ import (
 	"context"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
+	"testing"
 	"time"
 )
 
@@ -27,4 +29,18 @@ func UsePythonSitePackages(overrides ...string) {
 	if err == nil {
 		os.Setenv("PYEP_SITE_PACKAGES", strings.TrimSpace(string(out)))
 	}
+}
+
+// Touch makes the empty file rel under root, with its directories, and returns its path: a fake
+// installation for the library searches' tests.
+func Touch(t testing.TB, root, rel string) string {
+	t.Helper()
+	p := filepath.Join(root, rel)
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(p, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
