@@ -7,6 +7,7 @@ import (
 	"testing"
 	"unsafe"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pyep/pyep/goep"
@@ -165,62 +166,103 @@ func (c *normalCase) dispatch(x, scales goep.Desc) *goep.DispatchArgs {
 
 var none = goep.Desc{NDim: goep.NoneDim}
 
+// hostCall is one call kind of the host path.
+type hostCall struct {
+	name string
+	call func() error
+}
+
+// hostCalls are the call kinds, each on the reference shape.
+func (h *hostBench) hostCalls(tb testing.TB) []hostCall {
+	c := h.normalCase(tb)
+	calls := []hostCall{
+		{"layout", func() error {
+			return h.buf.Layout(&goep.LayoutArgs{TopkIdx: c.topk, NumExperts: hbE, PerRank: c.perRank.Data,
+				PerExpert: c.perExpert.Data, InRank: c.inRank.Data, Order: c.order})
+		}},
+		{"dispatch_bf16", func() error {
+			_, _, err := h.buf.DispatchQueued(c.dispatch(c.x, none), c.recv)
+			return err
+		}},
+		{"dispatch_fp8", func() error {
+			_, _, err := h.buf.DispatchQueued(c.dispatch(c.xFP8, c.scales), c.recv)
+			return err
+		}},
+		{"dispatch_cached", func() error {
+			return h.buf.DispatchCached(&goep.CachedDispatchArgs{Config: c.cfg, X: c.x, XScales: none, NumTokens: hbT,
+				NumChannels: c.cfg.NumChannels(), NumRecv: hbT, RankPrefix: c.rankPrefix, ChannelPrefix: c.chanPrefix,
+				InRank: c.inRank.Data, RecvX: c.recv.X, Order: c.order})
+		}},
+		{"combine", func() error {
+			return h.buf.Combine(&goep.CombineArgs{Config: c.cfg, X: goep.Desc{Data: c.recv.X, DType: dtBF16, Device: h.dev,
+				NDim: 2, Size: [2]int64{hbT, hbH}, Stride: [2]int64{hbH, 1}}, TopkWeights: goep.Desc{Data: c.recv.TopkWeights,
+				DType: dtF32, Device: h.dev, NDim: 2, Size: [2]int64{hbT, hbK}, Stride: [2]int64{hbK, 1}}, Bias0: none, Bias1: none,
+				NumTokens: hbT, NumChannels: c.cfg.NumChannels(), NumRecv: hbT, SrcIdx: c.recv.SrcIdx, RankPrefix: c.rankPrefix,
+				ChannelPrefix: c.recvChPrefix, SendHead: c.sendHead, CombinedX: c.combined, CombinedTopkWeights: c.combinedW,
+				Order: c.order})
+		}},
+	}
+	// Low latency: one rank, L = 288 local experts, R*M = 128 rows each.
+	L, RM := hbLLE, hbLLM
+	llX, llTopk, llW := h.alloc(tb, 2*hbLLM*hbH), h.alloc(tb, 8*hbLLM*hbK), h.alloc(tb, 4*hbLLM*hbK)
+	recvX, recvS := h.alloc(tb, L*RM*hbH), h.alloc(tb, 4*L*RM*hbH/128)
+	src, rng, count := h.alloc(tb, 4*L*RM), h.alloc(tb, 8*L), h.alloc(tb, 4*L)
+	expertOut, out := h.alloc(tb, 2*L*RM*hbH), h.alloc(tb, 2*hbLLM*hbH)
+	return append(calls, hostCall{"ll_dispatch", func() error {
+		_, err := h.buf.LowLatencyDispatch(&goep.LLDispatchArgs{MaxTokens: hbLLM, Hidden: hbH, NumExperts: hbLLE,
+			NumTokens: hbLLM, NumTopk: hbK, UseFP8: true, X: llX, TopkIdx: llTopk, RecvX: recvX, RecvScales: recvS,
+			SrcInfo: src, LayoutRange: rng, Count: count, Stream: h.stream})
+		return err
+	}}, hostCall{"ll_combine", func() error {
+		_, err := h.buf.LowLatencyCombine(&goep.LLCombineArgs{MaxTokens: hbLLM, Hidden: hbH, NumExperts: hbLLE,
+			NumTokens: hbLLM, NumTopk: hbK, X: expertOut, TopkIdx: llTopk, TopkWeights: llW, SrcInfo: src,
+			LayoutRange: rng, Out: out, Stream: h.stream})
+		return err
+	}})
+}
+
 func BenchmarkHostPath(b *testing.B) {
 	h := newHostBench(b)
-	c := h.normalCase(b)
-	fp8Recv := c.recv
-	run := func(name string, call func() error) {
-		b.Run(name, func(b *testing.B) {
-			require.NoError(b, call()) // compiles (registers) the kernels
+	for _, c := range h.hostCalls(b) {
+		b.Run(c.name, func(b *testing.B) {
+			require.NoError(b, c.call()) // compiles (registers) the kernels
 			b.ReportAllocs()
 			for b.Loop() {
-				if err := call(); err != nil {
+				if err := c.call(); err != nil {
 					b.Fatal(err)
 				}
 			}
 		})
 	}
-	run("layout", func() error {
-		return h.buf.Layout(&goep.LayoutArgs{TopkIdx: c.topk, NumExperts: hbE, PerRank: c.perRank.Data,
-			PerExpert: c.perExpert.Data, InRank: c.inRank.Data, Order: c.order})
-	})
-	run("dispatch_bf16", func() error {
-		_, _, err := h.buf.DispatchQueued(c.dispatch(c.x, none), c.recv)
-		return err
-	})
-	run("dispatch_fp8", func() error {
-		_, _, err := h.buf.DispatchQueued(c.dispatch(c.xFP8, c.scales), fp8Recv)
-		return err
-	})
-	run("dispatch_cached", func() error {
-		return h.buf.DispatchCached(&goep.CachedDispatchArgs{Config: c.cfg, X: c.x, XScales: none, NumTokens: hbT,
-			NumChannels: c.cfg.NumChannels(), NumRecv: hbT, RankPrefix: c.rankPrefix, ChannelPrefix: c.chanPrefix,
-			InRank: c.inRank.Data, RecvX: c.recv.X, Order: c.order})
-	})
-	run("combine", func() error {
-		return h.buf.Combine(&goep.CombineArgs{Config: c.cfg, X: goep.Desc{Data: c.recv.X, DType: dtBF16, Device: h.dev,
-			NDim: 2, Size: [2]int64{hbT, hbH}, Stride: [2]int64{hbH, 1}}, TopkWeights: goep.Desc{Data: c.recv.TopkWeights,
-			DType: dtF32, Device: h.dev, NDim: 2, Size: [2]int64{hbT, hbK}, Stride: [2]int64{hbK, 1}}, Bias0: none, Bias1: none,
-			NumTokens: hbT, NumChannels: c.cfg.NumChannels(), NumRecv: hbT, SrcIdx: c.recv.SrcIdx, RankPrefix: c.rankPrefix,
-			ChannelPrefix: c.recvChPrefix, SendHead: c.sendHead, CombinedX: c.combined, CombinedTopkWeights: c.combinedW,
-			Order: c.order})
-	})
-	// Low latency: one rank, L = 288 local experts, R*M = 128 rows each.
-	L, RM := hbLLE, hbLLM
-	llX, llTopk, llW := h.alloc(b, 2*hbLLM*hbH), h.alloc(b, 8*hbLLM*hbK), h.alloc(b, 4*hbLLM*hbK)
-	recvX, recvS := h.alloc(b, L*RM*hbH), h.alloc(b, 4*L*RM*hbH/128)
-	src, rng, count := h.alloc(b, 4*L*RM), h.alloc(b, 8*L), h.alloc(b, 4*L)
-	expertOut, out := h.alloc(b, 2*L*RM*hbH), h.alloc(b, 2*hbLLM*hbH)
-	run("ll_dispatch", func() error {
-		_, err := h.buf.LowLatencyDispatch(&goep.LLDispatchArgs{MaxTokens: hbLLM, Hidden: hbH, NumExperts: hbLLE,
-			NumTokens: hbLLM, NumTopk: hbK, UseFP8: true, X: llX, TopkIdx: llTopk, RecvX: recvX, RecvScales: recvS,
-			SrcInfo: src, LayoutRange: rng, Count: count, Stream: h.stream})
-		return err
-	})
-	run("ll_combine", func() error {
-		_, err := h.buf.LowLatencyCombine(&goep.LLCombineArgs{MaxTokens: hbLLM, Hidden: hbH, NumExperts: hbLLE,
-			NumTokens: hbLLM, NumTopk: hbK, X: expertOut, TopkIdx: llTopk, TopkWeights: llW, SrcInfo: src,
-			LayoutRange: rng, Out: out, Stream: h.stream})
-		return err
-	})
+}
+
+// TestHostPathDriverCalls pins the driver calls of each call kind once its kernels are loaded: on
+// a GPU each costs microseconds (a launch about 4), the core's own work far less.
+func TestHostPathDriverCalls(t *testing.T) {
+	h := newHostBench(t)
+	d := h.be.Driver().(*fake.Driver)
+	ops := []string{"CtxSetCurrent", "LaunchKernel", "EventRecord", "StreamWaitEvent", "DeviceGetAttribute"}
+	want := map[string][]int{ // per op above
+		"layout":          {1, 1, 2, 2, 0},
+		"dispatch_bf16":   {1, 2, 2, 2, 0},
+		"dispatch_fp8":    {1, 2, 2, 2, 0},
+		"dispatch_cached": {1, 2, 2, 2, 0},
+		"combine":         {1, 2, 2, 2, 0},
+		"ll_dispatch":     {1, 1, 0, 0, 0},
+		"ll_combine":      {1, 1, 0, 0, 0},
+	}
+	for _, c := range h.hostCalls(t) {
+		require.NoError(t, c.call())
+		before := make([]int, len(ops))
+		for i, op := range ops {
+			before[i] = d.Calls(op)
+		}
+		require.NoError(t, c.call())
+		got := make([]int, len(ops))
+		for i, op := range ops {
+			got[i] = d.Calls(op) - before[i]
+		}
+		t.Logf("%-16s %v: %v", c.name, ops, got)
+		assert.Equal(t, want[c.name], got, c.name)
+	}
 }
