@@ -60,11 +60,12 @@ def _refuse(*args):
 
 
 class _Exports:
-    """The exports that every normal-mode call makes, bound to gopy's C functions: a call costs no lookup and no
-    Python wrapper. They raise RuntimeError with the core's message; `error` turns it into the Python exception."""
+    """The exports that every normal-mode and low-latency call makes, bound to gopy's C functions: a call costs no
+    lookup and no Python wrapper. They raise RuntimeError with the core's message; `error` turns it into the Python
+    exception."""
 
     __slots__ = ("Layout", "DispatchQueued", "DispatchNotify", "DispatchRecv", "DispatchCached", "Combine",
-                 "LastEntryNs", "BufferLastLaunchNs")
+                 "LowLatencyDispatch", "LowLatencyCombine", "LastEntryNs", "BufferLastLaunchNs")
 
     def __init__(self):
         for name in self.__slots__:

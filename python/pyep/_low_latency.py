@@ -56,8 +56,25 @@ def _addr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
+def _ok(t: object, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether t is a contiguous tensor of dtype on device: the usual case, tested at once; _check names what is wrong
+    otherwise."""
+    return isinstance(t, torch.Tensor) and t.dtype is dtype and t.device == device and t.is_contiguous()
+
+
+def _ok_shaped(t: object, dtype: torch.dtype, shape: tuple, device: torch.device) -> bool:
+    """_ok with the shape, for an optional tensor (None passes)."""
+    return t is None or _ok(t, dtype, device) and t.shape == shape
+
+
+def _align(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
 class LowLatencyMixin:
     """Buffer's low-latency methods (see the module's docstring)."""
+
+    _ll_id: Optional[int] = None  # the core's id once _ll let a call through
 
     def _ll(self, method: str):
         """The core's id of a buffer whose low-latency calls can run, or the error that says why not."""
@@ -74,10 +91,16 @@ class LowLatencyMixin:
             timeout = os.environ.get("PYEP_TIMEOUT_S")
             if timeout:
                 _core.call("LowLatencyTimeout", self.runtime.id, float(timeout))
+        # Nothing above changes for the buffer's life: later calls take the id without asking again.
+        self._ll_id = self.runtime.id
         return self.runtime.id
 
     def _ll_report(self, method: str) -> None:
-        """Warns about the ranks that did not answer in time and are masked now (enable_shrink)."""
+        """Warns about the ranks that did not answer in time and are masked now (enable_shrink). Only the cpu engine
+        reports them here (a GPU's kernels mask the peer, low_latency_query_mask_buffer shows it): on cuda the call
+        costs a round trip into the core for nothing, and is skipped."""
+        if self._cuda:
+            return
         ranks = _core.call("LowLatencyTimedOut", self.runtime.id)
         if ranks:
             warnings.warn(f"Buffer.{method}: rank(s) {ranks} did not answer within the timeout (PYEP_TIMEOUT_S) and are "
@@ -196,9 +219,69 @@ class LowLatencyMixin:
             event: the event of the dispatch (set when `async_finish`).
             hook: the receiving hook (with `return_recv_hook`).
         """
-        bid = self._ll("low_latency_dispatch")
-        M, E, R = (_pos_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
-                   _pos_int("num_experts", num_experts), self.group_size)
+        bid = self._ll_id or self._ll("low_latency_dispatch")
+        R, dev = self.group_size, self._device
+        M, E = num_max_dispatch_tokens_per_rank, num_experts
+        # The usual call passes every check in one test; any other runs them one by one, raising the first failure.
+        shapes = type(x) is torch.Tensor and x.dim() == 2 and type(topk_idx) is torch.Tensor and topk_idx.dim() == 2
+        T, H = x.shape if shapes else (0, 0)
+        K = topk_idx.shape[1] if shapes else 0
+        L = E // R if type(E) is int and E > 0 else 0
+        if not (shapes and type(M) is int and M > 0 and L and E % R == 0 and H and H % 128 == 0 and T <= M
+                and _ok(x, torch.bfloat16, dev) and _ok(topk_idx, torch.int64, dev) and topk_idx.shape[0] == T
+                and 1 <= K <= _MAX_TOPK and _ok_shaped(cumulative_local_expert_recv_stats, torch.int32, (L,), dev)
+                and _ok_shaped(dispatch_wait_recv_cost_stats, torch.int64, (R,), dev)
+                and not (use_ue8m0 and use_fp8 and not round_scale) and not (async_finish and return_recv_hook)):
+            self._check_ll_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                    use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+            T, H = x.shape
+            K, L = topk_idx.shape[1], E // R
+        use_fp8, round_scale, use_ue8m0 = bool(use_fp8), bool(round_scale), bool(use_ue8m0) and bool(use_fp8)
+        # Two allocations, carved after the call: the received rows and their scales (which the experts read), and
+        # src_info, layout_range and count (which the handle keeps for combine, without the rows).
+        RM = R * M
+        if use_fp8:
+            S = (H // 128 + 3) // 4 if use_ue8m0 else H // 128
+            at_scales = _align(L * RM * H)
+            rows = torch.empty(at_scales + _align(4 * L * RM * S), dtype=torch.float8_e4m3fn, device=dev)
+        else:
+            rows = torch.empty((L, RM, H), dtype=torch.bfloat16, device=dev)
+        at_range = _align(4 * L * RM)
+        at_count = at_range + _align(8 * L * R)
+        small = torch.empty((at_count + _align(4 * L)) // 4, dtype=torch.int32, device=dev)
+        r, h = rows.data_ptr(), small.data_ptr()
+        try:
+            seq = _core.go.LowLatencyDispatch(
+                bid, M, H, E, T, K, use_fp8, round_scale, use_ue8m0, bool(return_recv_hook), _addr(x), _addr(topk_idx),
+                r, r + at_scales if use_fp8 else 0, h, h + at_range, h + at_count,
+                _addr(cumulative_local_expert_recv_stats), _addr(dispatch_wait_recv_cost_stats),
+                _current_stream(self._device_index) if self._cuda else 0)
+        except RuntimeError as e:
+            raise _core.error(e) from None
+        if use_fp8:
+            recv_x = rows.as_strided((L, RM, H), (RM * H, H, 1))
+            # Column-major in the last two dimensions, as DeepEP's (TMA) layout.
+            scales = rows.view(torch.int32 if use_ue8m0 else torch.float32).as_strided(
+                (L, RM, S), (S * RM, 1, RM), at_scales // 4)
+        else:
+            recv_x, scales = rows, None
+        src_info = small.as_strided((L, RM), (RM, 1))
+        layout_range = small.view(torch.int64).as_strided((L, R), (R, 1), at_range // 8)
+        count = small.as_strided((L,), (1,), at_count // 4)
+        hook = None
+        if return_recv_hook:
+            hook = self._ll_hook("low_latency_dispatch", seq, (x, topk_idx, rows, small, cumulative_local_expert_recv_stats,
+                                                                dispatch_wait_recv_cost_stats))
+        elif not self._cuda:
+            self._ll_report("low_latency_dispatch")
+        handle = (src_info, layout_range, M, H, E)
+        event = self._ll_event((x, topk_idx, rows, small)) if async_finish else EventOverlap(None)
+        return (recv_x, scales) if use_fp8 else recv_x, count, handle, event, hook
+
+    def _check_ll_dispatch(self, x, topk_idx, M, E, cum_stats, wait_stats, use_fp8, round_scale, use_ue8m0,
+                           async_finish, return_recv_hook) -> None:
+        """low_latency_dispatch's checks one by one: raises TypeError/ValueError naming the first bad argument."""
+        M, E, R = _pos_int("num_max_dispatch_tokens_per_rank", M), _pos_int("num_experts", E), self.group_size
         if E % R:
             raise ValueError(f"num_experts = {E}: expected a multiple of num_ranks = {R}")
         dev = self._device
@@ -213,39 +296,12 @@ class LowLatencyMixin:
             raise ValueError(f"topk_idx: shape {tuple(topk_idx.shape)}, expected [{T}, num_topk] with 1 <= num_topk <= "
                              f"{_MAX_TOPK}")
         L = E // R
-        _check("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32, (L,), optional=True,
-               device=dev)
-        _check("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, (R,), optional=True,
-               device=dev)
-        use_fp8, round_scale, use_ue8m0 = bool(use_fp8), bool(round_scale), bool(use_ue8m0) and bool(use_fp8)
-        if use_ue8m0 and not round_scale:
+        _check("cumulative_local_expert_recv_stats", cum_stats, torch.int32, (L,), optional=True, device=dev)
+        _check("dispatch_wait_recv_cost_stats", wait_stats, torch.int64, (R,), optional=True, device=dev)
+        if bool(use_ue8m0) and bool(use_fp8) and not bool(round_scale):
             raise ValueError("use_ue8m0=True: UE8M0 scales need round_scale=True")
         if async_finish and return_recv_hook:
             raise ValueError("async_finish=True and return_recv_hook=True: expected at most one of them")
-        recv_x = torch.empty((L, R * M, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=dev)
-        scales = None
-        if use_fp8:
-            # Column-major in the last two dimensions, as DeepEP's (TMA) layout.
-            num_scales = H // 128
-            scales = (torch.empty((L, (num_scales + 3) // 4, R * M), dtype=torch.int32, device=dev) if use_ue8m0 else
-                      torch.empty((L, num_scales, R * M), dtype=torch.float32, device=dev)).transpose(1, 2)
-        src_info = torch.empty((L, R * M), dtype=torch.int32, device=dev)
-        layout_range = torch.empty((L, R), dtype=torch.int64, device=dev)
-        count = torch.empty((L,), dtype=torch.int32, device=dev)
-        seq = _core.call("LowLatencyDispatch", bid, M, H, E, T, topk_idx.shape[1], use_fp8, round_scale, use_ue8m0,
-                         bool(return_recv_hook), _addr(x), _addr(topk_idx), _addr(recv_x), _addr(scales),
-                         _addr(src_info), _addr(layout_range), _addr(count), _addr(cumulative_local_expert_recv_stats),
-                         _addr(dispatch_wait_recv_cost_stats), self._ll_stream())
-        hook = None
-        if return_recv_hook:
-            hook = self._ll_hook("low_latency_dispatch", seq, (x, topk_idx, recv_x, scales, src_info, layout_range,
-                                                                count, cumulative_local_expert_recv_stats,
-                                                                dispatch_wait_recv_cost_stats))
-        else:
-            self._ll_report("low_latency_dispatch")
-        handle = (src_info, layout_range, M, H, E)
-        event = self._ll_event((x, topk_idx, recv_x, count)) if async_finish else EventOverlap(None)
-        return (recv_x, scales) if use_fp8 else recv_x, count, handle, event, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -276,7 +332,49 @@ class LowLatencyMixin:
             event: the event of the combine (set when `async_finish`).
             hook: the receiving hook (with `return_recv_hook`).
         """
-        bid = self._ll("low_latency_combine")
+        bid = self._ll_id or self._ll("low_latency_combine")
+        R, dev = self.group_size, self._device
+        # The usual call passes every check in one test; any other runs them one by one, raising the first failure.
+        ok = type(handle) is tuple and len(handle) == 5 and type(topk_idx) is torch.Tensor and topk_idx.dim() == 2
+        src_info, layout_range, M, H, E = handle if ok else (None, None, 0, 0, 0)
+        T, K = topk_idx.shape if ok else (0, 0)
+        ok = (ok and type(M) is int and type(H) is int and type(E) is int and M > 0 and H > 0 and E > 0
+              and E % R == 0 and H % 128 == 0 and not use_logfmt)
+        L, RM = (E // R, R * M) if ok else (0, 0)
+        if not (ok and _ok_shaped(src_info, torch.int32, (L, RM), dev) and src_info is not None
+                and _ok_shaped(layout_range, torch.int64, (L, R), dev) and layout_range is not None
+                and (zero_copy and (x is None or isinstance(x, torch.Tensor))
+                     or not zero_copy and x is not None and _ok_shaped(x, torch.bfloat16, (L, RM, H), dev))
+                and _ok(topk_idx, torch.int64, dev) and 1 <= K <= _MAX_TOPK and T <= M
+                and topk_weights is not None and _ok_shaped(topk_weights, torch.float32, (T, K), dev)
+                and _ok_shaped(combine_wait_recv_cost_stats, torch.int64, (R,), dev)
+                and _ok_shaped(out, torch.bfloat16, (T, H), dev) and not (async_finish and return_recv_hook)):
+            src_info, layout_range, M, H, E = self._check_ll_combine(x, topk_idx, topk_weights, handle, use_logfmt,
+                                                                     zero_copy, async_finish, return_recv_hook, out,
+                                                                     combine_wait_recv_cost_stats)
+            T, K = topk_idx.shape
+        if out is None:
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        try:
+            seq = _core.go.LowLatencyCombine(
+                bid, M, H, E, T, K, bool(zero_copy), bool(return_recv_hook), 0 if zero_copy else _addr(x),
+                _addr(topk_idx), _addr(topk_weights), _addr(src_info), _addr(layout_range), _addr(out),
+                _addr(combine_wait_recv_cost_stats), _current_stream(self._device_index) if self._cuda else 0)
+        except RuntimeError as e:
+            raise _core.error(e) from None
+        hook = None
+        if return_recv_hook:
+            hook = self._ll_hook("low_latency_combine", seq, (x, topk_idx, topk_weights, src_info, layout_range, out,
+                                                               combine_wait_recv_cost_stats))
+        elif not self._cuda:
+            self._ll_report("low_latency_combine")
+        event = self._ll_event((x, topk_idx, topk_weights, out)) if async_finish else EventOverlap(None)
+        return out, event, hook
+
+    def _check_ll_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                          return_recv_hook, out, combine_wait_recv_cost_stats) -> tuple:
+        """low_latency_combine's checks one by one: raises TypeError/ValueError (or NotAvailableError) naming the first
+        bad argument; returns the checked handle."""
         src_info, layout_range, M, H, E = self._ll_handle(handle)
         R = self.group_size
         L = E // R
@@ -296,23 +394,11 @@ class LowLatencyMixin:
         _check("topk_weights", topk_weights, torch.float32, (T, K), device=self._device)
         _check("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, (R,), optional=True,
                device=self._device)
-        if out is None:
-            out = torch.empty((T, H), dtype=torch.bfloat16, device=self._device)
-        else:
+        if out is not None:
             _check("out", out, torch.bfloat16, (T, H), device=self._device)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish=True and return_recv_hook=True: expected at most one of them")
-        seq = _core.call("LowLatencyCombine", bid, M, H, E, T, K, bool(zero_copy), bool(return_recv_hook),
-                         0 if zero_copy else _addr(x), _addr(topk_idx), _addr(topk_weights), _addr(src_info),
-                         _addr(layout_range), _addr(out), _addr(combine_wait_recv_cost_stats), self._ll_stream())
-        hook = None
-        if return_recv_hook:
-            hook = self._ll_hook("low_latency_combine", seq, (x, topk_idx, topk_weights, src_info, layout_range, out,
-                                                               combine_wait_recv_cost_stats))
-        else:
-            self._ll_report("low_latency_combine")
-        event = self._ll_event((x, topk_idx, topk_weights, out)) if async_finish else EventOverlap(None)
-        return out, event, hook
+        return src_info, layout_range, M, H, E
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """

@@ -44,6 +44,7 @@ type Engine struct {
 	base     driver.DevicePtr // this rank's region
 	peersDev driver.DevicePtr // u64 [n]: every rank's region as mapped here
 	sharing  int              // ranks on this GPU
+	sms      int              // the GPU's SMs, read once: a driver call per launch costs host time
 	timeout  time.Duration
 	localDev driver.DevicePtr // llLocalBytes: the kernels' own counters
 	errHost  unsafe.Pointer
@@ -86,6 +87,12 @@ func New(b *cuda.Backend, rank int, regions []unsafe.Pointer, numBytes int64, sh
 		_ = b.Driver().MemFree(peers)
 		return nil, err
 	}
+	sms, err := b.Device().Attribute(driver.AttrMultiprocessorCount)
+	if err != nil {
+		_ = b.Driver().MemFree(peers)
+		_ = b.Driver().MemFree(localDev)
+		return nil, err
+	}
 	errHost, errDev, err := b.HostAlloc(int(unsafe.Sizeof(llError{})))
 	if err != nil {
 		_ = b.Driver().MemFree(peers)
@@ -93,7 +100,7 @@ func New(b *cuda.Backend, rank int, regions []unsafe.Pointer, numBytes int64, sh
 		return nil, err
 	}
 	return &Engine{b: b, rank: rank, n: len(regions), bytes: numBytes, base: cuda.PtrOf(regions[rank]), peersDev: peers,
-		sharing: max(1, sharing), timeout: b.Timeout(), localDev: localDev, errHost: errHost, errDev: errDev, params: new(llParams)}, nil
+		sharing: max(1, sharing), sms: sms, timeout: b.Timeout(), localDev: localDev, errHost: errHost, errDev: errDev, params: new(llParams)}, nil
 }
 
 var _ goep.DeviceLowLatency = (*Engine)(nil)
@@ -233,11 +240,7 @@ func (e *Engine) launch(f driver.Function, s driver.Stream, p *llParams, o cuda.
 	grid := o.LowLatencyBlocks
 	if grid == 0 {
 		// One block an SM, shared fairly among the ranks on this GPU (MPS runs their kernels at once).
-		sms, err := e.b.Device().Attribute(driver.AttrMultiprocessorCount)
-		if err != nil {
-			return err
-		}
-		grid = max(1, sms/e.sharing)
+		grid = max(1, e.sms/e.sharing)
 	}
 	if err := f.Launch([3]uint32{uint32(grid), 1, 1}, [3]uint32{uint32(o.LowLatencyThreads), 1, 1}, 0, s, unsafe.Pointer(p)); err != nil {
 		return err
