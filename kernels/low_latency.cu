@@ -154,11 +154,12 @@ PYEP_DEVICE float mul_rn(float a, float b) {
 #endif
 }
 
-// Where the phases below split their work: a unit is an expert (dispatch send) or an (expert, rank)
+// Where the phases below split their work: a unit is a token (dispatch send) or an (expert, rank)
 // pair (dispatch receive, combine send); block b takes units b, b + G, b + 2G, ... (G blocks), up
-// to kBatch of them at once: warp 0 settles the batch's waits together (a lane a unit, or a
-// (unit, source) item), then the whole block moves the rows of every unit of the batch as one
-// list, so that a block's units cost about one memory round trip together rather than one each.
+// to kBatch of them at once: the batch's waits are settled together first (warp 0, a lane a unit
+// or a (unit, source) item; the dispatch send, a thread a selection), then the whole block moves
+// the rows of every unit of the batch as one list, so that a block's units cost about one memory
+// round trip together rather than one each.
 // Every load of a round is issued before its first use (asm volatile loads keep program order,
 // so a load used at once would wait its full latency before the next is issued).
 constexpr int kChunk = 256;  // channels a warp moves per step: 8 per lane (16 B of BF16)
@@ -271,33 +272,45 @@ PYEP_DEVICE int2 pack_e4m3(const float (&f)[8]) {
     return out;
 }
 
-// One warp writes its items [it0, it0 + kCastBatch) of total: locate(it, tok, msg, ch) says that
-// item it is chunk ch of token tok's message at msg. Lane l moves channels ch * 256 + 8 l; with
-// FP8, 16 lanes share a scale block.
+// The one step that writes a piece of a message into a destination slot (this rank's or a peer's,
+// reached through p.peers): the v at byte off of the message at slot.
+template <typename V>
+PYEP_DEVICE void put_piece(u64 slot, int off, V v) {
+    st_na(reinterpret_cast<V*>(reinterpret_cast<u8*>(slot) + off), v);
+}
+
+// One warp casts its items it0, it0 + stride, ... (kCastBatch of them, those < total) once each
+// and writes each into every slot of its token: locate(it, tok, ch, slots) says that item it is
+// chunk ch of token tok, whose message goes to slots[0..kTopk) (0: none). Lane l moves channels
+// ch * 256 + 8 l; with FP8, 16 lanes share a scale block.
 template <typename Locate>
-PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int total, Locate locate) {
+PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int stride, int total, Locate locate) {
     const int lane = lane_id();
     const u16* x = reinterpret_cast<const u16*>(p.x);
     int4 in[kCastBatch] = {};
     i32 tok[kCastBatch];
     int ch[kCastBatch];
-    u8* msg[kCastBatch];
+    const u64* slots[kCastBatch];
 #pragma unroll
     for (int b = 0; b < kCastBatch; b++) {
-        const int it = it0 + b;
-        tok[b] = 0, ch[b] = 0, msg[b] = nullptr;
-        if (it < total) locate(it, tok[b], msg[b], ch[b]);
+        const int it = it0 + b * stride;
+        tok[b] = 0, ch[b] = 0, slots[b] = nullptr;
+        if (it < total) locate(it, tok[b], ch[b], slots[b]);
         const int c = ch[b] * kChunk + lane * 8;
         if (it < total && c < kHidden) in[b] = ld_nc(reinterpret_cast<const int4*>(x + static_cast<i64>(tok[b]) * kHidden + c));
     }
 #pragma unroll
     for (int b = 0; b < kCastBatch; b++) {
-        if (it0 + b >= total) break;  // warp-uniform
+        if (it0 + b * stride >= total) break;  // warp-uniform
         const int c = ch[b] * kChunk + lane * 8;
         const bool on = c < kHidden;
-        if (ch[b] == 0 && lane == 0) *reinterpret_cast<i32*>(msg[b]) = tok[b];
         if (!kFP8) {
-            if (on) st_na(reinterpret_cast<int4*>(msg[b] + kMsgHeader + 2 * c), in[b]);
+            for (int k = 0; k < kTopk; k++) {
+                const u64 slot = slots[b][k];
+                if (slot == 0) continue;
+                if (ch[b] == 0 && lane == 0) put_piece(slot, 0, static_cast<int>(tok[b]));
+                if (on) put_piece(slot, kMsgHeader + 2 * c, in[b]);
+            }
             continue;
         }
         float f[8];
@@ -318,90 +331,121 @@ PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int total, Locate locate
         fp8_scales(amax, scale, inv);
 #pragma unroll
         for (int k = 0; k < 8; k++) f[k] = mul_rn(f[k], scale);
-        st_na(reinterpret_cast<int2*>(msg[b] + kMsgHeader + c), pack_e4m3(f));
-        if (lane % 16 == 0) reinterpret_cast<float*>(msg[b] + kMsgHeader + kHidden)[c / kScaleBlock] = inv;
+        const int2 packed = pack_e4m3(f);
+        for (int k = 0; k < kTopk; k++) {
+            const u64 slot = slots[b][k];
+            if (slot == 0) continue;
+            if (ch[b] == 0 && lane == 0) put_piece(slot, 0, static_cast<int>(tok[b]));
+            put_piece(slot, kMsgHeader + c, packed);
+            if (lane % 16 == 0) put_piece(slot, kMsgHeader + kHidden + 4 * (c / kScaleBlock), static_cast<int>(__float_as_uint(inv)));
+        }
     }
 }
 
-// Send: a unit is an expert g (on rank g / L). For a batch of its experts, the block lists, kThreads
-// tokens at a time and in token order, the tokens that selected each, writes their messages into
-// slots 0, 1, ... of (g % L, this rank) at that rank (the warps share the batch's chunks as one
-// list), then each expert's flag seq << 32 | count.
+// Counts, over this rank's tokens, those that selected expert g[q] (total[q]) and those of them
+// before token before_tok[q] (before[q]), for q < nq (g[q] = -1 counts nothing); before and total
+// start at 0. The block's threads take a token each, and every query is a ballot a warp.
+PYEP_DEVICE void count_selections(const LLParams& p, const i32* g, const i32* before_tok, int nq, i32* before, i32* total) {
+    const int lane = lane_id();
+    const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
+    for (int t0 = 0; t0 < p.num_tokens; t0 += kThreads) {
+        const int t = t0 + static_cast<int>(threadIdx.x);
+        i64 e[kTopk];
+#pragma unroll
+        for (int k = 0; k < kTopk; k++) e[k] = t < p.num_tokens ? ld_nc(idx + static_cast<i64>(t) * kTopk + k) : -1;
+        for (int q = 0; q < nq; q++) {
+            const i64 want = g[q];
+            bool hit = false;
+#pragma unroll
+            for (int k = 0; k < kTopk; k++) hit |= e[k] == want;
+            hit = hit && want >= 0;
+            const u32 all = __ballot_sync(0xffffffffu, hit), early = __ballot_sync(0xffffffffu, hit && t < before_tok[q]);
+            if (lane == 0 && all != 0u) {
+                atomicAdd(total + q, __popc(all));
+                if (early != 0u) atomicAdd(before + q, __popc(early));
+            }
+        }
+    }
+}
+
+// Send: a unit is a token. For a batch of its tokens, the block settles every selection (expert g
+// of token t, once however often t selected g): its slot at g's rank is the number of tokens
+// before t that selected g (so that receivers get g's rows in token order, as the reference
+// does), and whether g's rank may be written. Then the warps cast each chunk of every token once
+// and write it into all of the token's slots; after a barrier, every selection counts itself in
+// g's counter (p.expert_sent), and the selection that completes g's count (every block knows how
+// many tokens selected g) stores g's flag seq << 32 | count. Experts that no token selected get
+// their flag from block g % G first.
+constexpr int kSel = kBatch * kTopk;  // selections of a batch
 PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
-    PYEP_SHARED(i32, s_tok, kBatch * kThreads);  // unit i's selecting tokens of the round at [i * kThreads, ...)
-    PYEP_SHARED(i32, s_warp, kBatch * kWarps);   // unit i's selections per warp of the round
-    PYEP_SHARED(i32, s_count, kBatch);           // unit i's selections of the round
-    PYEP_SHARED(i32, s_item, kBatch + 1);        // unit i's first item (message chunk) of the round
-    PYEP_SHARED(i32, s_sent, kBatch);            // unit i's messages before the round
-    PYEP_SHARED(i32, s_ok, kBatch);
-    PYEP_SHARED(u64, s_slots, kBatch);           // unit i's slot 0 at its rank
-    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32, tid = static_cast<int>(threadIdx.x), R = p.num_ranks,
+    PYEP_SHARED(i32, s_g, kSel);       // selection s's expert, or -1 (none, or a repeat)
+    PYEP_SHARED(i32, s_t, kSel);       // selection s's token
+    PYEP_SHARED(i32, s_before, kSel);  // tokens before s's that selected its expert
+    PYEP_SHARED(i32, s_total, kSel);   // tokens that selected s's expert
+    PYEP_SHARED(u64, s_slot, kSel);    // selection s's slot at its rank (0: not written)
+    const int warp = static_cast<int>(threadIdx.x) / 32, tid = static_cast<int>(threadIdx.x), R = p.num_ranks,
               E = p.num_experts, L = E / R, T = p.num_tokens, G = static_cast<int>(gridDim.x);
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
-    for (int u0 = static_cast<int>(blockIdx.x); u0 < E; u0 += kBatch * G) {
-        const int P = batch_units(u0, E);
+    i32* sent = reinterpret_cast<i32*>(p.expert_sent);
+    auto flag = [&](int g) { return reinterpret_cast<u64*>(region(p, g / L) + p.off_dflags) + (g % L) * R + p.rank; };
+    // The flags of experts that no token selected: block b asks for experts b, b + G, ... (kSel at once).
+    for (int g0 = static_cast<int>(blockIdx.x); g0 < E; g0 += kSel * G) {
+        const int n = (E - g0 + G - 1) / G < kSel ? (E - g0 + G - 1) / G : kSel;
+        __syncthreads();
+        for (int q = tid; q < n; q += kThreads) s_g[q] = g0 + q * G, s_t[q] = 0, s_before[q] = 0, s_total[q] = 0;
+        __syncthreads();
+        count_selections(p, s_g, s_t, n, s_before, s_total);
+        __syncthreads();
+        for (int q = tid; q < n; q += kThreads)
+            if (s_total[q] == 0 && may_send(p, s_g[q] / L, seq)) st_release_sys(flag(s_g[q]), static_cast<u64>(seq) << 32);
+    }
+    for (int u0 = static_cast<int>(blockIdx.x); u0 < T; u0 += kBatch * G) {
+        const int P = batch_units(u0, T), S = P * kTopk;
         __syncthreads();  // the previous batch's readers are done with the shared arrays
-        if (tid < P) {
-            const int g = u0 + tid * G, dst = g / L;
-            s_ok[tid] = may_send(p, dst, seq) ? 1 : 0;
-            s_sent[tid] = 0;
-            s_slots[tid] = reinterpret_cast<u64>(region(p, dst) + p.off_recv +
-                                                 (static_cast<u64>(g % L) * R + p.rank) * p.max_tokens * p.msg_bytes);
+        for (int s = tid; s < S; s += kThreads) {
+            const int t = u0 + (s / kTopk) * G, k = s % kTopk;
+            const i64* e = idx + static_cast<i64>(t) * kTopk;
+            const i64 g = ld_nc(e + k);
+            bool first = g >= 0 && g < E;
+            for (int k2 = 0; k2 < k; k2++) first = first && ld_nc(e + k2) != g;
+            s_g[s] = first ? static_cast<i32>(g) : -1;
+            s_t[s] = t, s_before[s] = 0, s_total[s] = 0;
+            s_slot[s] = first && may_send(p, static_cast<int>(g) / L, seq) ? 1 : 0;
         }
         __syncthreads();
-        for (int t0 = 0; t0 < T; t0 += kThreads) {
-            const int t = t0 + tid;
-            i64 e[kTopk];
-#pragma unroll
-            for (int k = 0; k < kTopk; k++) e[k] = t < T ? ld_nc(idx + static_cast<i64>(t) * kTopk + k) : -1;
-            u32 ballot[kBatch];
-#pragma unroll
-            for (int i = 0; i < kBatch; i++) {
-                ballot[i] = 0;
-                if (i >= P) continue;  // block-uniform
-                const int g = u0 + i * G;
-                bool sel = false;
-#pragma unroll
-                for (int k = 0; k < kTopk; k++) sel |= e[k] == g;
-                ballot[i] = __ballot_sync(0xffffffffu, sel && s_ok[i] != 0);
-                if (lane == 0) s_warp[i * kWarps + warp] = __popc(ballot[i]);
-            }
-            __syncthreads();
-#pragma unroll
-            for (int i = 0; i < kBatch; i++) {
-                if (i >= P) continue;
-                int before = 0, count = 0;
-                for (int w = 0; w < kWarps; w++) {
-                    const int c = s_warp[i * kWarps + w];
-                    if (w < warp) before += c;
-                    count += c;
-                }
-                if ((ballot[i] >> lane) & 1u) s_tok[i * kThreads + before + __popc(ballot[i] & ((1u << lane) - 1u))] = t;
-                if (tid == 0) s_count[i] = count;
-            }
-            if (tid < 32) warp0_prefix(s_count, s_item, P, kChunks);
-            __syncthreads();
-            const int total = s_item[P];
-            for (int it0 = warp * kCastBatch; it0 < total; it0 += kWarps * kCastBatch)
-                put_chunks(p, it0, total, [&](int it, i32& tok, u8*& msg, int& ch) {
-                    const int i = unit_of(s_item, P, it), m = (it - s_item[i]) / kChunks;
-                    ch = (it - s_item[i]) % kChunks;
-                    tok = s_tok[i * kThreads + m];
-                    msg = reinterpret_cast<u8*>(s_slots[i]) + static_cast<u64>(s_sent[i] + m) * p.msg_bytes;
-                });
-            __syncthreads();  // every warp is done with the round's lists
-            if (tid < P) s_sent[tid] += s_count[tid];
-        }
+        count_selections(p, s_g, s_t, S, s_before, s_total);
         __syncthreads();
-        if (tid < P && s_ok[tid] != 0) {
-            const int g = u0 + tid * G;
-            fence_acq_rel_sys();  // the block's messages (ordered before this by the barrier) reach dst first
-            st_release_sys(reinterpret_cast<u64*>(region(p, g / L) + p.off_dflags) + (g % L) * R + p.rank,
-                           static_cast<u64>(seq) << 32 | static_cast<u32>(s_sent[tid]));
+        for (int s = tid; s < S; s += kThreads)
+            if (s_slot[s] != 0) {
+                const int g = s_g[s];
+                s_slot[s] = reinterpret_cast<u64>(region(p, g / L) + p.off_recv +
+                                                  ((static_cast<u64>(g % L) * R + p.rank) * p.max_tokens + s_before[s]) * p.msg_bytes);
+            }
+        __syncthreads();
+        // Item it is chunk it % kChunks of the batch's token it / kChunks; warp w takes items w, w + kWarps, ...
+        const int total = P * kChunks;
+        for (int it0 = warp; it0 < total; it0 += kWarps * kCastBatch)
+            put_chunks(p, it0, kWarps, total, [&](int it, i32& tok, int& ch, const u64*& slots) {
+                const int i = it / kChunks;
+                ch = it % kChunks;
+                tok = u0 + i * G;
+                slots = s_slot + i * kTopk;
+            });
+        __syncthreads();  // the block's messages are written
+        for (int s = tid; s < S; s += kThreads) {
+            const int g = s_g[s];
+            if (g < 0) continue;
+            fence_acq_rel_sys();  // the block's messages (ordered before this by the barrier) before the count
+            if (atomicAdd(sent + g, 1) + 1 != s_total[s]) continue;
+            // The last of g's selections: every block's messages for g are ordered before this.
+            fence_acq_rel_sys();
+            st_volatile(sent + g, 0);  // for the next call (a later kernel)
+            if (!masked(p, g / L)) st_release_sys(flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[s]));
         }
     }
 }
 
+constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
 // Receive: a unit is a pair (local expert j, source s); its rows follow those of the sources before
 // s. For a batch of pairs, warp 0 waits for the flags (a lane a (pair, source) item), then the
 // block unpacks every pair's rows, source tokens and scales.
@@ -414,7 +458,6 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
     const i64 RM = static_cast<i64>(R) * M;
     const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_dflags);
     const u8* recv = local(p) + p.off_recv;
-    constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
     for (int u0 = static_cast<int>(blockIdx.x); u0 < L * R; u0 += kBatch * G) {
         const int P = batch_units(u0, L * R);
         __syncthreads();  // the previous batch's readers are done with the shared arrays
