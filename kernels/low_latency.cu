@@ -445,10 +445,15 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     }
 }
 
-constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
 // Receive: a unit is a pair (local expert j, source s); its rows follow those of the sources before
 // s. For a batch of pairs, warp 0 waits for the flags (a lane a (pair, source) item), then the
-// block unpacks every pair's rows, source tokens and scales.
+// block reads every pair's messages as one list of 16-byte vectors (header, row, scales; a thread
+// kRowUnroll in flight) and stores each where it goes: the source token into src_info, the row
+// into recv_x, the scales (four a vector) into their column-major places.
+constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
+constexpr int kScaleVecs = kFP8 ? (kScales + 3) / 4 : 0;                // 16-byte vectors of a message's scales
+constexpr int kMsgVecs = kMsgHeader / 16 + kRowBytes / 16 + kScaleVecs;  // the vectors of a message that are read
+static_assert(kMsgHeader == 16, "a message's header is one vector");
 PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
     PYEP_SHARED(i32, s_begin, kBatch);  // pair i's first row in j's rows
     PYEP_SHARED(i32, s_n, kBatch);      // pair i's rows
@@ -482,40 +487,48 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
             warp0_prefix(s_n, s_row, P, 1);
         }
         __syncthreads();
-        const int N = s_row[P];
-        // Row k of the batch is row k - s_row[i] of pair i.
-        auto slot = [&](int k, int& i) {
-            i = unit_of(s_row, P, k);
-            const int pair = u0 + i * G;
-            return recv + (static_cast<u64>(pair / R) * R + pair % R) * M * p.msg_bytes + static_cast<u64>(k - s_row[i]) * p.msg_bytes;
-        };
-        auto out_row = [&](int k, int i) { return ((u0 + i * G) / R) * RM + s_begin[i] + (k - s_row[i]); };
-        block_copy_rows<int4, kRowUnroll, true, kRowBytes / 16>(
-            N, [&](int k) { int i; return reinterpret_cast<const int4*>(slot(k, i) + kMsgHeader); },
-            [&](int k) {
-                const int i = unit_of(s_row, P, k);
-                return reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + out_row(k, i) * kRowBytes);
-            });
-        for (int k = tid; k < N; k += kThreads) {
-            int i;
-            const u8* m = slot(k, i);
-            reinterpret_cast<i32*>(p.src_info)[out_row(k, i)] = ld_ring(reinterpret_cast<const i32*>(m));
-        }
-        if (kFP8) {
-            // Row fastest, so that the column-major scales are written in runs.
-            constexpr int kCols = kUE8M0 ? (kScales + 3) / 4 : kScales;
-            for (int q = tid; q < N * kCols; q += kThreads) {
-                const int k = q % N, w = q / N;
-                int i;
-                const float* sc = reinterpret_cast<const float*>(slot(k, i) + kMsgHeader + kHidden);
-                const i64 at = (static_cast<i64>((u0 + i * G) / R) * kCols + w) * RM + s_begin[i] + (k - s_row[i]);
-                if (kUE8M0) {
-                    u32 word = 0;
-                    for (int b = 0; b < 4 && 4 * w + b < kScales; b++)
-                        word |= ((__float_as_uint(ld_ring(sc + 4 * w + b)) >> 23) & 0xffu) << (8 * b);
-                    reinterpret_cast<u32*>(p.recv_scales)[at] = word;
+        const int total = s_row[P] * kMsgVecs;
+        for (int q0 = tid; q0 < total; q0 += kThreads * kRowUnroll) {
+            int4 v[kRowUnroll];
+            i64 row[kRowUnroll];  // the message's row in recv_x (of all experts' rows)
+            int j[kRowUnroll];
+#pragma unroll
+            for (int u = 0; u < kRowUnroll; u++) {
+                const int q = q0 + u * kThreads;
+                if (q >= total) break;
+                const int k = q / kMsgVecs, i = unit_of(s_row, P, k), pair = u0 + i * G;
+                j[u] = pair / R;
+                row[u] = j[u] * RM + s_begin[i] + (k - s_row[i]);
+                const u8* msg = recv + ((static_cast<u64>(j[u]) * R + pair % R) * M + (k - s_row[i])) * p.msg_bytes;
+                v[u] = ld_ring(reinterpret_cast<const int4*>(msg) + q % kMsgVecs);
+            }
+#pragma unroll
+            for (int u = 0; u < kRowUnroll; u++) {
+                const int q = q0 + u * kThreads;
+                if (q >= total) break;
+                const int w = q % kMsgVecs - 1;  // the vector's place after the header
+                if (w < 0) {
+                    st_na(reinterpret_cast<int*>(p.src_info) + row[u], v[u].x);
+                } else if (w < kRowBytes / 16) {
+                    st_na(reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + row[u] * kRowBytes) + w, v[u]);
                 } else {
-                    reinterpret_cast<float*>(p.recv_scales)[at] = ld_ring(sc + w);
+                    // Scales 4c .. 4c + 3 (those < kScales); column-major: column c of expert j at (j * cols + c) * RM.
+                    const int c = w - kRowBytes / 16;
+                    const u32 f[4] = {static_cast<u32>(v[u].x), static_cast<u32>(v[u].y), static_cast<u32>(v[u].z), static_cast<u32>(v[u].w)};
+                    const i64 r = row[u] - static_cast<i64>(j[u]) * RM;
+                    if (kUE8M0) {
+                        u32 word = 0;
+#pragma unroll
+                        for (int b = 0; b < 4; b++)
+                            if (4 * c + b < kScales) word |= ((f[b] >> 23) & 0xffu) << (8 * b);
+                        st_na(reinterpret_cast<int*>(p.recv_scales) + (static_cast<i64>(j[u]) * kScaleVecs + c) * RM + r, static_cast<int>(word));
+                    } else {
+#pragma unroll
+                        for (int b = 0; b < 4; b++)
+                            if (4 * c + b < kScales)
+                                st_na(reinterpret_cast<int*>(p.recv_scales) + (static_cast<i64>(j[u]) * kScales + 4 * c + b) * RM + r,
+                                      static_cast<int>(f[b]));
+                    }
                 }
             }
         }
