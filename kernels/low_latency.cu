@@ -375,32 +375,26 @@ PYEP_DEVICE void count_selections(const LLParams& p, const i32* g, const i32* be
 // and write it into all of the token's slots; after a barrier, every selection counts itself in
 // g's counter (p.expert_sent), and the selection that completes g's count (every block knows how
 // many tokens selected g) stores g's flag seq << 32 | count. Experts that no token selected get
-// their flag from block g % G first.
+// their flag (count 0) from block g % G, which asks for its experts (kOwn a batch) in the same
+// counting pass as its tokens' selections.
 constexpr int kSel = kBatch * kTopk;  // selections of a batch
+constexpr int kOwn = 16;              // experts a block asks about for their zero flags, a batch
 PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
-    PYEP_SHARED(i32, s_g, kSel);       // selection s's expert, or -1 (none, or a repeat)
-    PYEP_SHARED(i32, s_t, kSel);       // selection s's token
-    PYEP_SHARED(i32, s_before, kSel);  // tokens before s's that selected its expert
-    PYEP_SHARED(i32, s_total, kSel);   // tokens that selected s's expert
-    PYEP_SHARED(u64, s_slot, kSel);    // selection s's slot at its rank (0: not written)
+    // Queries [0, S) are the batch's selections, [S, S + own) the experts the block flags when no token selected them.
+    PYEP_SHARED(i32, s_g, kSel + kOwn);       // query q's expert, or -1 (none, or a repeat)
+    PYEP_SHARED(i32, s_t, kSel + kOwn);       // selection q's token
+    PYEP_SHARED(i32, s_before, kSel + kOwn);  // tokens before q's that selected its expert
+    PYEP_SHARED(i32, s_total, kSel + kOwn);   // tokens that selected q's expert
+    PYEP_SHARED(u64, s_slot, kSel);           // selection q's slot at its rank (0: not written)
     const int warp = static_cast<int>(threadIdx.x) / 32, tid = static_cast<int>(threadIdx.x), R = p.num_ranks,
-              E = p.num_experts, L = E / R, T = p.num_tokens, G = static_cast<int>(gridDim.x);
+              E = p.num_experts, L = E / R, T = p.num_tokens, G = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
     i32* sent = reinterpret_cast<i32*>(p.expert_sent);
     auto flag = [&](int g) { return reinterpret_cast<u64*>(region(p, g / L) + p.off_dflags) + (g % L) * R + p.rank; };
-    // The flags of experts that no token selected: block b asks for experts b, b + G, ... (kSel at once).
-    for (int g0 = static_cast<int>(blockIdx.x); g0 < E; g0 += kSel * G) {
-        const int n = (E - g0 + G - 1) / G < kSel ? (E - g0 + G - 1) / G : kSel;
-        __syncthreads();
-        for (int q = tid; q < n; q += kThreads) s_g[q] = g0 + q * G, s_t[q] = 0, s_before[q] = 0, s_total[q] = 0;
-        __syncthreads();
-        count_selections(p, s_g, s_t, n, s_before, s_total);
-        __syncthreads();
-        for (int q = tid; q < n; q += kThreads)
-            if (s_total[q] == 0 && may_send(p, s_g[q] / L, seq)) st_release_sys(flag(s_g[q]), static_cast<u64>(seq) << 32);
-    }
-    for (int u0 = static_cast<int>(blockIdx.x); u0 < T; u0 += kBatch * G) {
-        const int P = batch_units(u0, T), S = P * kTopk;
+    const int owned = b < E ? (E - b + G - 1) / G : 0;  // experts b, b + G, ...
+    for (int u0 = b, asked = 0; u0 < T || asked < owned; u0 += kBatch * G) {
+        const int P = u0 < T ? batch_units(u0, T) : 0, S = P * kTopk;
+        const int own = owned - asked < kOwn ? owned - asked : kOwn;
         __syncthreads();  // the previous batch's readers are done with the shared arrays
         for (int s = tid; s < S; s += kThreads) {
             const int t = u0 + (s / kTopk) * G, k = s % kTopk;
@@ -412,9 +406,16 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
             s_t[s] = t, s_before[s] = 0, s_total[s] = 0;
             s_slot[s] = first && may_send(p, static_cast<int>(g) / L, seq) ? 1 : 0;
         }
+        for (int q = tid; q < own; q += kThreads) s_g[S + q] = b + (asked + q) * G, s_t[S + q] = 0, s_before[S + q] = 0, s_total[S + q] = 0;
         __syncthreads();
-        count_selections(p, s_g, s_t, S, s_before, s_total);
+        count_selections(p, s_g, s_t, S + own, s_before, s_total);
         __syncthreads();
+        for (int q = tid; q < own; q += kThreads) {
+            const int g = s_g[S + q];
+            if (s_total[S + q] == 0 && may_send(p, g / L, seq)) st_release_sys(flag(g), static_cast<u64>(seq) << 32);
+        }
+        asked += own;
+        if (P == 0) continue;  // block-uniform
         for (int s = tid; s < S; s += kThreads)
             if (s_slot[s] != 0) {
                 const int g = s_g[s];

@@ -125,7 +125,7 @@ func TestEmulatedLowLatency(t *testing.T) {
 		// end in half a chunk and five scales (UE8M0 words of 4 + 1).
 		{R: 2, T: 70, H: 640, K: 4, E: 4, M: 80, fp8: true, round: true, ue8m0: true},
 		// the send's other paths: rank 1 has no token (every flag comes from the experts that no token
-		// selected), and 40 experts over 2 blocks of a batch of 8 selections ask in three rounds.
+		// selected), and each of 2 blocks asks about its 20 of 40 experts in two rounds (16 a round).
 		{R: 2, T: 1, H: 128, K: 1, E: 40, M: 4},
 		{R: 2, T: 3, H: 128, K: 1, E: 40, M: 4, fp8: true},
 		// 11 of 12 experts a token: each token's message goes to every rank several times, and a
