@@ -154,11 +154,12 @@ PYEP_DEVICE float mul_rn(float a, float b) {
 #endif
 }
 
-// Where the phases below split their work: a unit is an expert (dispatch send) or an (expert, rank)
+// Where the phases below split their work: a unit is a token (dispatch send) or an (expert, rank)
 // pair (dispatch receive, combine send); block b takes units b, b + G, b + 2G, ... (G blocks), up
-// to kBatch of them at once: warp 0 settles the batch's waits together (a lane a unit, or a
-// (unit, source) item), then the whole block moves the rows of every unit of the batch as one
-// list, so that a block's units cost about one memory round trip together rather than one each.
+// to kBatch of them at once: the batch's waits are settled together first (warp 0, a lane a unit
+// or a (unit, source) item; the dispatch send, a thread a selection), then the whole block moves
+// the rows of every unit of the batch as one list, so that a block's units cost about one memory
+// round trip together rather than one each.
 // Every load of a round is issued before its first use (asm volatile loads keep program order,
 // so a load used at once would wait its full latency before the next is issued).
 constexpr int kChunk = 256;  // channels a warp moves per step: 8 per lane (16 B of BF16)
@@ -271,33 +272,45 @@ PYEP_DEVICE int2 pack_e4m3(const float (&f)[8]) {
     return out;
 }
 
-// One warp writes its items [it0, it0 + kCastBatch) of total: locate(it, tok, msg, ch) says that
-// item it is chunk ch of token tok's message at msg. Lane l moves channels ch * 256 + 8 l; with
-// FP8, 16 lanes share a scale block.
+// The one step that writes a piece of a message into a destination slot (this rank's or a peer's,
+// reached through p.peers): the v at byte off of the message at slot.
+template <typename V>
+PYEP_DEVICE void put_piece(u64 slot, int off, V v) {
+    st_na(reinterpret_cast<V*>(reinterpret_cast<u8*>(slot) + off), v);
+}
+
+// One warp casts its items it0, it0 + stride, ... (kCastBatch of them, those < total) once each
+// and writes each into every slot of its token: locate(it, tok, ch, slots) says that item it is
+// chunk ch of token tok, whose message goes to slots[0..kTopk) (0: none). Lane l moves channels
+// ch * 256 + 8 l; with FP8, 16 lanes share a scale block.
 template <typename Locate>
-PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int total, Locate locate) {
+PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int stride, int total, Locate locate) {
     const int lane = lane_id();
     const u16* x = reinterpret_cast<const u16*>(p.x);
     int4 in[kCastBatch] = {};
     i32 tok[kCastBatch];
     int ch[kCastBatch];
-    u8* msg[kCastBatch];
+    const u64* slots[kCastBatch];
 #pragma unroll
     for (int b = 0; b < kCastBatch; b++) {
-        const int it = it0 + b;
-        tok[b] = 0, ch[b] = 0, msg[b] = nullptr;
-        if (it < total) locate(it, tok[b], msg[b], ch[b]);
+        const int it = it0 + b * stride;
+        tok[b] = 0, ch[b] = 0, slots[b] = nullptr;
+        if (it < total) locate(it, tok[b], ch[b], slots[b]);
         const int c = ch[b] * kChunk + lane * 8;
         if (it < total && c < kHidden) in[b] = ld_nc(reinterpret_cast<const int4*>(x + static_cast<i64>(tok[b]) * kHidden + c));
     }
 #pragma unroll
     for (int b = 0; b < kCastBatch; b++) {
-        if (it0 + b >= total) break;  // warp-uniform
+        if (it0 + b * stride >= total) break;  // warp-uniform
         const int c = ch[b] * kChunk + lane * 8;
         const bool on = c < kHidden;
-        if (ch[b] == 0 && lane == 0) *reinterpret_cast<i32*>(msg[b]) = tok[b];
         if (!kFP8) {
-            if (on) st_na(reinterpret_cast<int4*>(msg[b] + kMsgHeader + 2 * c), in[b]);
+            for (int k = 0; k < kTopk; k++) {
+                const u64 slot = slots[b][k];
+                if (slot == 0) continue;
+                if (ch[b] == 0 && lane == 0) put_piece(slot, 0, static_cast<int>(tok[b]));
+                if (on) put_piece(slot, kMsgHeader + 2 * c, in[b]);
+            }
             continue;
         }
         float f[8];
@@ -318,93 +331,130 @@ PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int total, Locate locate
         fp8_scales(amax, scale, inv);
 #pragma unroll
         for (int k = 0; k < 8; k++) f[k] = mul_rn(f[k], scale);
-        st_na(reinterpret_cast<int2*>(msg[b] + kMsgHeader + c), pack_e4m3(f));
-        if (lane % 16 == 0) reinterpret_cast<float*>(msg[b] + kMsgHeader + kHidden)[c / kScaleBlock] = inv;
+        const int2 packed = pack_e4m3(f);
+        for (int k = 0; k < kTopk; k++) {
+            const u64 slot = slots[b][k];
+            if (slot == 0) continue;
+            if (ch[b] == 0 && lane == 0) put_piece(slot, 0, static_cast<int>(tok[b]));
+            put_piece(slot, kMsgHeader + c, packed);
+            if (lane % 16 == 0) put_piece(slot, kMsgHeader + kHidden + 4 * (c / kScaleBlock), static_cast<int>(__float_as_uint(inv)));
+        }
     }
 }
 
-// Send: a unit is an expert g (on rank g / L). For a batch of its experts, the block lists, kThreads
-// tokens at a time and in token order, the tokens that selected each, writes their messages into
-// slots 0, 1, ... of (g % L, this rank) at that rank (the warps share the batch's chunks as one
-// list), then each expert's flag seq << 32 | count.
-PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
-    PYEP_SHARED(i32, s_tok, kBatch * kThreads);  // unit i's selecting tokens of the round at [i * kThreads, ...)
-    PYEP_SHARED(i32, s_warp, kBatch * kWarps);   // unit i's selections per warp of the round
-    PYEP_SHARED(i32, s_count, kBatch);           // unit i's selections of the round
-    PYEP_SHARED(i32, s_item, kBatch + 1);        // unit i's first item (message chunk) of the round
-    PYEP_SHARED(i32, s_sent, kBatch);            // unit i's messages before the round
-    PYEP_SHARED(i32, s_ok, kBatch);
-    PYEP_SHARED(u64, s_slots, kBatch);           // unit i's slot 0 at its rank
-    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32, tid = static_cast<int>(threadIdx.x), R = p.num_ranks,
-              E = p.num_experts, L = E / R, T = p.num_tokens, G = static_cast<int>(gridDim.x);
+// Counts, over this rank's tokens, those that selected expert g[q] (total[q]) and those of them
+// before token before_tok[q] (before[q]), for q < nq (g[q] = -1 counts nothing); before and total
+// start at 0. The block's threads take a token each, and every query is a ballot a warp.
+PYEP_DEVICE void count_selections(const LLParams& p, const i32* g, const i32* before_tok, int nq, i32* before, i32* total) {
+    const int lane = lane_id();
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
-    for (int u0 = static_cast<int>(blockIdx.x); u0 < E; u0 += kBatch * G) {
-        const int P = batch_units(u0, E);
+    for (int t0 = 0; t0 < p.num_tokens; t0 += kThreads) {
+        const int t = t0 + static_cast<int>(threadIdx.x);
+        i64 e[kTopk];
+#pragma unroll
+        for (int k = 0; k < kTopk; k++) e[k] = t < p.num_tokens ? ld_nc(idx + static_cast<i64>(t) * kTopk + k) : -1;
+        for (int q = 0; q < nq; q++) {
+            const i64 want = g[q];
+            bool hit = false;
+#pragma unroll
+            for (int k = 0; k < kTopk; k++) hit |= e[k] == want;
+            hit = hit && want >= 0;
+            const u32 all = __ballot_sync(0xffffffffu, hit), early = __ballot_sync(0xffffffffu, hit && t < before_tok[q]);
+            if (lane == 0 && all != 0u) {
+                atomicAdd(total + q, __popc(all));
+                if (early != 0u) atomicAdd(before + q, __popc(early));
+            }
+        }
+    }
+}
+
+// Send: a unit is a token. For a batch of its tokens, the block settles every selection (expert g
+// of token t, once however often t selected g): its slot at g's rank is the number of tokens
+// before t that selected g (so that receivers get g's rows in token order, as the reference
+// does), and whether g's rank may be written. Then the warps cast each chunk of every token once
+// and write it into all of the token's slots; after a barrier, every selection counts itself in
+// g's counter (p.expert_sent), and the selection that completes g's count (every block knows how
+// many tokens selected g) stores g's flag seq << 32 | count. Experts that no token selected get
+// their flag (count 0) from block g % G, which asks for its experts (kOwn a batch) in the same
+// counting pass as its tokens' selections.
+constexpr int kSel = kBatch * kTopk;  // selections of a batch
+constexpr int kOwn = 16;              // experts a block asks about for their zero flags, a batch
+PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
+    // Queries [0, S) are the batch's selections, [S, S + own) the experts the block flags when no token selected them.
+    PYEP_SHARED(i32, s_g, kSel + kOwn);       // query q's expert, or -1 (none, or a repeat)
+    PYEP_SHARED(i32, s_t, kSel + kOwn);       // selection q's token
+    PYEP_SHARED(i32, s_before, kSel + kOwn);  // tokens before q's that selected its expert
+    PYEP_SHARED(i32, s_total, kSel + kOwn);   // tokens that selected q's expert
+    PYEP_SHARED(u64, s_slot, kSel);           // selection q's slot at its rank (0: not written)
+    const int warp = static_cast<int>(threadIdx.x) / 32, tid = static_cast<int>(threadIdx.x), R = p.num_ranks,
+              E = p.num_experts, L = E / R, T = p.num_tokens, G = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
+    const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
+    i32* sent = reinterpret_cast<i32*>(p.expert_sent);
+    auto flag = [&](int g) { return reinterpret_cast<u64*>(region(p, g / L) + p.off_dflags) + (g % L) * R + p.rank; };
+    const int owned = b < E ? (E - b + G - 1) / G : 0;  // experts b, b + G, ...
+    for (int u0 = b, asked = 0; u0 < T || asked < owned; u0 += kBatch * G) {
+        const int P = u0 < T ? batch_units(u0, T) : 0, S = P * kTopk;
+        const int own = owned - asked < kOwn ? owned - asked : kOwn;
         __syncthreads();  // the previous batch's readers are done with the shared arrays
-        if (tid < P) {
-            const int g = u0 + tid * G, dst = g / L;
-            s_ok[tid] = may_send(p, dst, seq) ? 1 : 0;
-            s_sent[tid] = 0;
-            s_slots[tid] = reinterpret_cast<u64>(region(p, dst) + p.off_recv +
-                                                 (static_cast<u64>(g % L) * R + p.rank) * p.max_tokens * p.msg_bytes);
+        for (int s = tid; s < S; s += kThreads) {
+            const int t = u0 + (s / kTopk) * G, k = s % kTopk;
+            const i64* e = idx + static_cast<i64>(t) * kTopk;
+            const i64 g = ld_nc(e + k);
+            bool first = g >= 0 && g < E;
+            for (int k2 = 0; k2 < k; k2++) first = first && ld_nc(e + k2) != g;
+            s_g[s] = first ? static_cast<i32>(g) : -1;
+            s_t[s] = t, s_before[s] = 0, s_total[s] = 0;
+            s_slot[s] = first && may_send(p, static_cast<int>(g) / L, seq) ? 1 : 0;
         }
+        for (int q = tid; q < own; q += kThreads) s_g[S + q] = b + (asked + q) * G, s_t[S + q] = 0, s_before[S + q] = 0, s_total[S + q] = 0;
         __syncthreads();
-        for (int t0 = 0; t0 < T; t0 += kThreads) {
-            const int t = t0 + tid;
-            i64 e[kTopk];
-#pragma unroll
-            for (int k = 0; k < kTopk; k++) e[k] = t < T ? ld_nc(idx + static_cast<i64>(t) * kTopk + k) : -1;
-            u32 ballot[kBatch];
-#pragma unroll
-            for (int i = 0; i < kBatch; i++) {
-                ballot[i] = 0;
-                if (i >= P) continue;  // block-uniform
-                const int g = u0 + i * G;
-                bool sel = false;
-#pragma unroll
-                for (int k = 0; k < kTopk; k++) sel |= e[k] == g;
-                ballot[i] = __ballot_sync(0xffffffffu, sel && s_ok[i] != 0);
-                if (lane == 0) s_warp[i * kWarps + warp] = __popc(ballot[i]);
-            }
-            __syncthreads();
-#pragma unroll
-            for (int i = 0; i < kBatch; i++) {
-                if (i >= P) continue;
-                int before = 0, count = 0;
-                for (int w = 0; w < kWarps; w++) {
-                    const int c = s_warp[i * kWarps + w];
-                    if (w < warp) before += c;
-                    count += c;
-                }
-                if ((ballot[i] >> lane) & 1u) s_tok[i * kThreads + before + __popc(ballot[i] & ((1u << lane) - 1u))] = t;
-                if (tid == 0) s_count[i] = count;
-            }
-            if (tid < 32) warp0_prefix(s_count, s_item, P, kChunks);
-            __syncthreads();
-            const int total = s_item[P];
-            for (int it0 = warp * kCastBatch; it0 < total; it0 += kWarps * kCastBatch)
-                put_chunks(p, it0, total, [&](int it, i32& tok, u8*& msg, int& ch) {
-                    const int i = unit_of(s_item, P, it), m = (it - s_item[i]) / kChunks;
-                    ch = (it - s_item[i]) % kChunks;
-                    tok = s_tok[i * kThreads + m];
-                    msg = reinterpret_cast<u8*>(s_slots[i]) + static_cast<u64>(s_sent[i] + m) * p.msg_bytes;
-                });
-            __syncthreads();  // every warp is done with the round's lists
-            if (tid < P) s_sent[tid] += s_count[tid];
+        count_selections(p, s_g, s_t, S + own, s_before, s_total);
+        __syncthreads();
+        for (int q = tid; q < own; q += kThreads) {
+            const int g = s_g[S + q];
+            if (s_total[S + q] == 0 && may_send(p, g / L, seq)) st_release_sys(flag(g), static_cast<u64>(seq) << 32);
         }
+        asked += own;
+        if (P == 0) continue;  // block-uniform
+        for (int s = tid; s < S; s += kThreads)
+            if (s_slot[s] != 0) {
+                const int g = s_g[s];
+                s_slot[s] = reinterpret_cast<u64>(region(p, g / L) + p.off_recv +
+                                                  ((static_cast<u64>(g % L) * R + p.rank) * p.max_tokens + s_before[s]) * p.msg_bytes);
+            }
         __syncthreads();
-        if (tid < P && s_ok[tid] != 0) {
-            const int g = u0 + tid * G;
-            fence_acq_rel_sys();  // the block's messages (ordered before this by the barrier) reach dst first
-            st_release_sys(reinterpret_cast<u64*>(region(p, g / L) + p.off_dflags) + (g % L) * R + p.rank,
-                           static_cast<u64>(seq) << 32 | static_cast<u32>(s_sent[tid]));
+        // Item it is chunk it % kChunks of the batch's token it / kChunks; warp w takes items w, w + kWarps, ...
+        const int total = P * kChunks;
+        for (int it0 = warp; it0 < total; it0 += kWarps * kCastBatch)
+            put_chunks(p, it0, kWarps, total, [&](int it, i32& tok, int& ch, const u64*& slots) {
+                const int i = it / kChunks;
+                ch = it % kChunks;
+                tok = u0 + i * G;
+                slots = s_slot + i * kTopk;
+            });
+        __syncthreads();  // the block's messages are written
+        for (int s = tid; s < S; s += kThreads) {
+            const int g = s_g[s];
+            if (g < 0) continue;
+            fence_acq_rel_sys();  // the block's messages (ordered before this by the barrier) before the count
+            if (atomicAdd(sent + g, 1) + 1 != s_total[s]) continue;
+            // The last of g's selections: every block's messages for g are ordered before this.
+            fence_acq_rel_sys();
+            st_volatile(sent + g, 0);  // for the next call (a later kernel)
+            if (!masked(p, g / L)) st_release_sys(flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[s]));
         }
     }
 }
 
 // Receive: a unit is a pair (local expert j, source s); its rows follow those of the sources before
 // s. For a batch of pairs, warp 0 waits for the flags (a lane a (pair, source) item), then the
-// block unpacks every pair's rows, source tokens and scales.
+// block reads every pair's messages as one list of 16-byte vectors (header, row, scales; a thread
+// kRowUnroll in flight) and stores each where it goes: the source token into src_info, the row
+// into recv_x, the scales (four a vector) into their column-major places.
+constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
+constexpr int kScaleVecs = kFP8 ? (kScales + 3) / 4 : 0;                // 16-byte vectors of a message's scales
+constexpr int kMsgVecs = kMsgHeader / 16 + kRowBytes / 16 + kScaleVecs;  // the vectors of a message that are read
+static_assert(kMsgHeader == 16, "a message's header is one vector");
 PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
     PYEP_SHARED(i32, s_begin, kBatch);  // pair i's first row in j's rows
     PYEP_SHARED(i32, s_n, kBatch);      // pair i's rows
@@ -414,7 +464,6 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
     const i64 RM = static_cast<i64>(R) * M;
     const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_dflags);
     const u8* recv = local(p) + p.off_recv;
-    constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
     for (int u0 = static_cast<int>(blockIdx.x); u0 < L * R; u0 += kBatch * G) {
         const int P = batch_units(u0, L * R);
         __syncthreads();  // the previous batch's readers are done with the shared arrays
@@ -439,40 +488,48 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
             warp0_prefix(s_n, s_row, P, 1);
         }
         __syncthreads();
-        const int N = s_row[P];
-        // Row k of the batch is row k - s_row[i] of pair i.
-        auto slot = [&](int k, int& i) {
-            i = unit_of(s_row, P, k);
-            const int pair = u0 + i * G;
-            return recv + (static_cast<u64>(pair / R) * R + pair % R) * M * p.msg_bytes + static_cast<u64>(k - s_row[i]) * p.msg_bytes;
-        };
-        auto out_row = [&](int k, int i) { return ((u0 + i * G) / R) * RM + s_begin[i] + (k - s_row[i]); };
-        block_copy_rows<int4, kRowUnroll, true, kRowBytes / 16>(
-            N, [&](int k) { int i; return reinterpret_cast<const int4*>(slot(k, i) + kMsgHeader); },
-            [&](int k) {
-                const int i = unit_of(s_row, P, k);
-                return reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + out_row(k, i) * kRowBytes);
-            });
-        for (int k = tid; k < N; k += kThreads) {
-            int i;
-            const u8* m = slot(k, i);
-            reinterpret_cast<i32*>(p.src_info)[out_row(k, i)] = ld_ring(reinterpret_cast<const i32*>(m));
-        }
-        if (kFP8) {
-            // Row fastest, so that the column-major scales are written in runs.
-            constexpr int kCols = kUE8M0 ? (kScales + 3) / 4 : kScales;
-            for (int q = tid; q < N * kCols; q += kThreads) {
-                const int k = q % N, w = q / N;
-                int i;
-                const float* sc = reinterpret_cast<const float*>(slot(k, i) + kMsgHeader + kHidden);
-                const i64 at = (static_cast<i64>((u0 + i * G) / R) * kCols + w) * RM + s_begin[i] + (k - s_row[i]);
-                if (kUE8M0) {
-                    u32 word = 0;
-                    for (int b = 0; b < 4 && 4 * w + b < kScales; b++)
-                        word |= ((__float_as_uint(ld_ring(sc + 4 * w + b)) >> 23) & 0xffu) << (8 * b);
-                    reinterpret_cast<u32*>(p.recv_scales)[at] = word;
+        const int total = s_row[P] * kMsgVecs;
+        for (int q0 = tid; q0 < total; q0 += kThreads * kRowUnroll) {
+            int4 v[kRowUnroll];
+            i64 row[kRowUnroll];  // the message's row in recv_x (of all experts' rows)
+            int j[kRowUnroll];
+#pragma unroll
+            for (int u = 0; u < kRowUnroll; u++) {
+                const int q = q0 + u * kThreads;
+                if (q >= total) break;
+                const int k = q / kMsgVecs, i = unit_of(s_row, P, k), pair = u0 + i * G;
+                j[u] = pair / R;
+                row[u] = j[u] * RM + s_begin[i] + (k - s_row[i]);
+                const u8* msg = recv + ((static_cast<u64>(j[u]) * R + pair % R) * M + (k - s_row[i])) * p.msg_bytes;
+                v[u] = ld_ring(reinterpret_cast<const int4*>(msg) + q % kMsgVecs);
+            }
+#pragma unroll
+            for (int u = 0; u < kRowUnroll; u++) {
+                const int q = q0 + u * kThreads;
+                if (q >= total) break;
+                const int w = q % kMsgVecs - 1;  // the vector's place after the header
+                if (w < 0) {
+                    st_na(reinterpret_cast<int*>(p.src_info) + row[u], v[u].x);
+                } else if (w < kRowBytes / 16) {
+                    st_na(reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + row[u] * kRowBytes) + w, v[u]);
                 } else {
-                    reinterpret_cast<float*>(p.recv_scales)[at] = ld_ring(sc + w);
+                    // Scales 4c .. 4c + 3 (those < kScales); column-major: column c of expert j at (j * cols + c) * RM.
+                    const int c = w - kRowBytes / 16;
+                    const u32 f[4] = {static_cast<u32>(v[u].x), static_cast<u32>(v[u].y), static_cast<u32>(v[u].z), static_cast<u32>(v[u].w)};
+                    const i64 r = row[u] - static_cast<i64>(j[u]) * RM;
+                    if (kUE8M0) {
+                        u32 word = 0;
+#pragma unroll
+                        for (int b = 0; b < 4; b++)
+                            if (4 * c + b < kScales) word |= ((f[b] >> 23) & 0xffu) << (8 * b);
+                        st_na(reinterpret_cast<int*>(p.recv_scales) + (static_cast<i64>(j[u]) * kScaleVecs + c) * RM + r, static_cast<int>(word));
+                    } else {
+#pragma unroll
+                        for (int b = 0; b < 4; b++)
+                            if (4 * c + b < kScales)
+                                st_na(reinterpret_cast<int*>(p.recv_scales) + (static_cast<i64>(j[u]) * kScales + 4 * c + b) * RM + r,
+                                      static_cast<int>(f[b]));
+                    }
                 }
             }
         }

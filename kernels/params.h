@@ -126,6 +126,7 @@ struct pyep_ll_params {
     pyep_u64 timeout_ns;   // bound of every wait
     pyep_u64 calls;        // u64 [2]: calls received per half (this rank's engine memory)
     pyep_u64 counter;      // i32: blocks done with the receive (the last resets it; likewise)
+    pyep_u64 expert_sent;  // i32 [num_experts]: a dispatch send's selections written per expert (the last resets it)
     pyep_u64 off_ack;      // u64 [2][R]: ack[h][p], written by p
     pyep_u64 off_mask;     // i32 [R]: 1 where a rank is masked (local)
     pyep_u64 off_dflags;   // u64 [E] of half h: dispatch flags at [j * R + src]
@@ -159,7 +160,7 @@ PYEP_ABI_SIZE(struct pyep_dispatch_params, 368);
 PYEP_ABI_SIZE(struct pyep_combine_params, 304);
 PYEP_ABI_SIZE(struct pyep_layout_params, 64);
 PYEP_ABI_SIZE(struct pyep_op_error, 64);
-PYEP_ABI_SIZE(struct pyep_ll_params, 216);
+PYEP_ABI_SIZE(struct pyep_ll_params, 224);
 PYEP_ABI_SIZE(struct pyep_ll_error, 32);
 #undef PYEP_ABI_SIZE
 

@@ -31,8 +31,12 @@ import (
 const (
 	llPhaseSend = 1
 	llPhaseRecv = 2
-	// llLocalBytes: calls [2]u64, then the receive's block counter (i32).
-	llLocalBytes = 32
+	// llLocalBytes: calls [2]u64, then the receive's block counter (i32), then from llSentOff the
+	// dispatch send's counters, an i32 per expert (llMaxExperts). Zero at the start and after clean;
+	// a kernel leaves them zero.
+	llSentOff    = 32
+	llMaxExperts = 1 << 14
+	llLocalBytes = llSentOff + 4*llMaxExperts
 )
 
 // Engine is one buffer's low-latency engine on a GPU.
@@ -208,7 +212,7 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 	}
 	p := e.params
 	*p = llParams{peers: u64(e.peersDev), err: u64(e.errDev), timeout_ns: u64(e.timeout.Nanoseconds()),
-		calls: u64(e.localDev), counter: u64(e.localDev) + 16, off_ack: u64(l.Ack(0, 0)), off_mask: u64(l.Mask(0)),
+		calls: u64(e.localDev), counter: u64(e.localDev) + 16, expert_sent: u64(e.localDev) + llSentOff, off_ack: u64(l.Ack(0, 0)), off_mask: u64(l.Mask(0)),
 		off_dflags: u64(l.DispatchFlags(h)), off_cflags: u64(l.CombineFlags(h)), off_send: u64(l.Send(h)),
 		off_recv: u64(l.Recv(h)), msg_bytes: u64(l.DispatchMsgBytes),
 		x: u64(c.X), topk_idx: u64(c.TopkIdx), topk_weights: u64(c.TopkWeights),
@@ -324,6 +328,11 @@ func (e *Engine) layout(s lowlatency.Shape) (lowlatency.Layout, error) {
 	l, err := lowlatency.NewLayout(e.n, s)
 	if err == nil {
 		err = l.Fits(e.bytes)
+	}
+	if err == nil && s.NumExperts > llMaxExperts {
+		// The dispatch send counts each expert's selections in the engine's llMaxExperts counters.
+		err = fmt.Errorf("num_experts = %d: the cuda backend's low-latency mode takes at most %d: %w", s.NumExperts, llMaxExperts,
+			lowlatency.ErrInvalid)
 	}
 	return l, err
 }
