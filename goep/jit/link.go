@@ -8,6 +8,8 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strings"
 	"sync"
 	"time"
 )
@@ -105,6 +107,7 @@ func CompileLinked(src Source, opts LinkOptions) ([]byte, error) {
 // linked with NVSHMEM's device library must be handed to nvshmemx_cumodule_init
 // (goep/nvshmem's ModuleInit) before its first launch.
 func (c *Cache) CompileLinked(src Source, opts LinkOptions) ([]byte, error) {
+	src = src.under(linkedHeaders)
 	p, err := c.linkPlan(src, opts)
 	if err != nil {
 		return nil, err
@@ -247,4 +250,28 @@ func fileIdentity(file string) (string, error) {
 	id := hex.EncodeToString(h.Sum(nil))
 	identities.Store(memo, id)
 	return id, nil
+}
+
+// linkedHeaders is where a linked source's own headers are handed to NVRTC: NVRTC looks its
+// named headers up before the include path, so a library header of the same name (NVSHMEM's
+// coll/utils.cuh includes "utils.cuh") would otherwise get ours.
+const linkedHeaders = "pyep/"
+
+// under returns s with its headers named dir + name, and its quoted includes of them (in its text
+// and theirs) rewritten to match.
+func (s Source) under(dir string) Source {
+	if len(s.Headers) == 0 {
+		return s
+	}
+	names := make([]string, len(s.Headers))
+	for i, h := range s.Headers {
+		names[i] = regexp.QuoteMeta(h.Name)
+	}
+	re := regexp.MustCompile(`(?m)^([ \t]*#[ \t]*include[ \t]*")(` + strings.Join(names, "|") + `)"`)
+	rewrite := func(text string) string { return re.ReplaceAllString(text, `${1}`+dir+`${2}"`) }
+	out := Source{Name: s.Name, Text: rewrite(s.Text), Headers: make([]Header, len(s.Headers))}
+	for i, h := range s.Headers {
+		out.Headers[i] = Header{Name: dir + h.Name, Text: rewrite(h.Text)}
+	}
+	return out
 }

@@ -212,3 +212,56 @@ extern "C" __global__ void k(int* p) { *p = pyep_nowhere(*p); }`}
 	assert.Equal(t, "undefined.cu", le.Name)
 	assert.Contains(t, err.Error(), "pyep_nowhere")
 }
+
+// The low-latency kernels' remote build (PYEP_LL_REMOTE: kernels/remote.cuh over NVSHMEM) compiles
+// to LTO-IR and links with libnvshmem_device.a under every configuration the source declares,
+// without a warning, into a cubin with the kernel and NVSHMEM's device state.
+func TestCompileLinkedLowLatency(t *testing.T) {
+	requireNVJitLink(t)
+	inc, dev := requireNVSHMEMDevice(t)
+	src, err := Kernel("low_latency.cu")
+	require.NoError(t, err)
+	sets, err := src.DefineSets()
+	require.NoError(t, err)
+	require.NotEmpty(t, sets)
+	c := NewCache(t.TempDir())
+	c.SetLog(nil)
+	for _, set := range sets {
+		defines := map[string]string{"PYEP_LL_REMOTE": ""}
+		for k, v := range set {
+			defines[k] = v
+		}
+		t.Run(describeDefines(set), func(t *testing.T) {
+			cubin, err := c.CompileLinked(src, LinkOptions{Options: Options{Arch: "sm_90", Defines: defines}, IncludeDirs: []string{inc},
+				Libraries: []string{dev}})
+			require.NoError(t, err)
+			f, err := elf.NewFile(bytes.NewReader(cubin))
+			require.NoError(t, err)
+			syms, err := f.Symbols()
+			require.NoError(t, err)
+			kernel := "_ZN4pyep2ll8dispatchENS_14pyep_ll_paramsE"
+			if _, ok := defines["PYEP_LL_COMBINE"]; ok {
+				kernel = "_ZN4pyep2ll7combineENS_14pyep_ll_paramsE"
+			}
+			names := map[string]bool{}
+			for _, s := range syms {
+				names[s.Name] = true
+			}
+			assert.True(t, names[kernel], "the kernel %s", kernel)
+			assert.True(t, names["nvshmemi_device_state_d"], "NVSHMEM's device state")
+		})
+	}
+}
+
+// A linked source hands its own headers to NVRTC under pyep/, so that a library's header of the
+// same name (NVSHMEM's "utils.cuh") is found on the include path, not shadowed by ours.
+func TestLinkedHeadersUnderPrefix(t *testing.T) {
+	src := Source{Name: "k.cu", Text: "#include \"utils.cuh\"\n#include <nvshmem.h>\n  # include \"b.cuh\"\n",
+		Headers: []Header{{Name: "b.cuh", Text: "#include \"utils.cuh\"\n#include \"other.h\"\n"}, {Name: "utils.cuh", Text: "// u"}}}
+	got := src.under("pyep/")
+	assert.Equal(t, "#include \"pyep/utils.cuh\"\n#include <nvshmem.h>\n  # include \"pyep/b.cuh\"\n", got.Text)
+	assert.Equal(t, []Header{{Name: "pyep/b.cuh", Text: "#include \"pyep/utils.cuh\"\n#include \"other.h\"\n"},
+		{Name: "pyep/utils.cuh", Text: "// u"}}, got.Headers)
+	assert.Equal(t, "k.cu", got.Name)
+	assert.Equal(t, "#include \"utils.cuh\"\n#include <nvshmem.h>\n  # include \"b.cuh\"\n", src.Text, "the source is not modified")
+}
