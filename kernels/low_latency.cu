@@ -1,8 +1,12 @@
-// Low-latency mode (DeepEP V1's low_latency_dispatch / low_latency_combine) over NVLink: every
+// Low-latency mode (DeepEP V1's low_latency_dispatch / low_latency_combine): within a node every
 // rank's low-latency region is mapped by every peer (CUDA IPC, or the same GPU), and a kernel
-// writes straight into the peers' slots through the per-peer pointer table p.peers. The region's
-// layout is goep/lowlatency's (layout.go); the offsets come in the parameters, so this file
-// holds no layout arithmetic beyond a slot's index.
+// writes straight into the peers' slots through the per-peer pointer table p.peers. Built with
+// PYEP_LL_REMOTE, the kernel also reaches peers on other nodes (p.remote says which): their rows
+// go through remote.cuh's remote_put_warp and their flags and acknowledgements through
+// remote_signal (NVSHMEM on a GPU), from a local source (the rows of x, or messages staged in this
+// rank's send area), and the receive side is the same either way. The region's layout is
+// goep/lowlatency's (layout.go); the offsets come in the parameters, so this file holds no
+// layout arithmetic beyond a slot's index.
 //
 // Protocol, per half h (calls alternate halves; the host picks h):
 //   - calls[h] (the engine's device memory, local) counts the calls on half h that this rank has
@@ -21,6 +25,7 @@
 // pyep:defines PYEP_LL_DISPATCH PYEP_LL_HIDDEN=384 PYEP_LL_TOPK=11 PYEP_LL_FP8=0 PYEP_LL_ROUND=0 PYEP_LL_UE8M0=0
 // pyep:defines PYEP_LL_COMBINE PYEP_LL_HIDDEN=7168 PYEP_LL_TOPK=8
 // pyep:defines PYEP_LL_COMBINE PYEP_LL_HIDDEN=128 PYEP_LL_TOPK=1
+// (The PYEP_LL_REMOTE builds need NVSHMEM's headers: goep/jit's TestCompileLinkedLowLatency compiles and links them.)
 #ifdef PYEP_EMU
 #include <cmath>
 
@@ -29,6 +34,8 @@
 #include "utils.cuh"
 #endif
 #include "copy.cuh"
+#include "remote.cuh"
+#include "cast.cuh"
 
 namespace pyep {
 
@@ -70,6 +77,37 @@ typedef struct pyep_ll_params LLParams;
 typedef struct pyep_ll_error LLError;
 
 PYEP_DEVICE u8* region(const LLParams& p, int r) { return reinterpret_cast<u8*>(reinterpret_cast<const u64*>(p.peers)[r]); }
+
+#ifdef PYEP_LL_REMOTE
+constexpr bool kRemote = true;
+#else
+constexpr bool kRemote = false;  // every peer is in this node: none of the remote path is compiled
+#endif
+
+// Whether peer r is reached through remote.cuh; region(p, r) is then only its name for the pair.
+PYEP_DEVICE bool is_remote(const LLParams& p, int r) {
+    if (!kRemote) return false;
+    return reinterpret_cast<const i32*>(p.remote)[r] != 0;
+}
+
+// Stores v at word (in peer r's region, from region(p, r)) with release semantics: after every
+// row this rank has written or put to r before it (the caller's barriers and fences order them).
+PYEP_DEVICE void signal_peer(const LLParams& p, int r, u64* word, u64 v) {
+#ifdef PYEP_LL_REMOTE
+    if (is_remote(p, r)) {
+        remote_signal(word, v, r);
+        return;
+    }
+#endif
+    st_release_sys(word, v);
+}
+
+// One warp puts n bytes from src (local) to dst in remote peer r's region.
+PYEP_DEVICE void put_peer(int r, void* dst, const void* src, u64 n) {
+#ifdef PYEP_LL_REMOTE
+    remote_put_warp(dst, src, n, r);
+#endif
+}
 PYEP_DEVICE u8* local(const LLParams& p) { return region(p, p.rank); }
 PYEP_DEVICE bool masked(const LLParams& p, int r) {
     return ld_volatile(reinterpret_cast<const i32*>(local(p) + p.off_mask) + r) != 0;
@@ -125,8 +163,8 @@ PYEP_DEVICE void finish_recv(const LLParams& p, u32 seq) {
         if (atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1) {
             for (int r = 0; r < p.num_ranks; r++)
                 if (r != p.rank && !masked(p, r))
-                    st_release_sys(reinterpret_cast<u64*>(region(p, r) + p.off_ack) + p.half * p.num_ranks + p.rank,
-                                   static_cast<u64>(seq));
+                    signal_peer(p, r, reinterpret_cast<u64*>(region(p, r) + p.off_ack) + p.half * p.num_ranks + p.rank,
+                                static_cast<u64>(seq));
             st_volatile(counter, 0);
             st_release_sys(reinterpret_cast<u64*>(p.calls) + p.half, static_cast<u64>(seq));
         }
@@ -142,16 +180,6 @@ PYEP_DEVICE void run_phases(const LLParams& p, Send send, Recv recv) {
         recv(p, seq);
         finish_recv(p, seq);
     }
-}
-
-// A product rounded to nearest, never fused into an add (goep/lowlatency's casts and sums do the same).
-PYEP_DEVICE float mul_rn(float a, float b) {
-#ifdef PYEP_EMU
-    volatile float r = a * b;
-    return r;
-#else
-    return __fmul_rn(a, b);
-#endif
 }
 
 // Where the phases below split their work: a unit is a token (dispatch send) or an (expert, rank)
@@ -215,63 +243,6 @@ constexpr int kCastBatch = 8;   // chunks a warp has in flight when it casts or 
 constexpr bool kUE8M0 = PYEP_LL_UE8M0 != 0;
 constexpr int kScales = kHidden / kScaleBlock;
 
-#ifdef PYEP_EMU
-// e4m3, rounding to nearest even and saturating at 448: the GPU's cvt.rn.satfinite.e4m3x2 (utils.cuh),
-// which the emulator has not.
-PYEP_DEVICE u8 to_e4m3(float f) {
-    const u32 b = __float_as_uint(f), u = b & 0x7fffffffu;
-    const u8 sign = static_cast<u8>((b >> 24) & 0x80u);
-    if (u > 0x7f800000u) return sign | 0x7f;
-    if (u >= 0x43e00000u) return sign | 0x7e;  // >= 448: saturate
-    if (u < (121u << 23)) {                    // e4m3 subnormal: steps of 2^-9
-        const float s = __uint_as_float(u) * 512.0f;
-        u32 i = static_cast<u32>(s);
-        const float fr = s - static_cast<float>(i);
-        if (fr > 0.5f || (fr == 0.5f && (i & 1u))) i++;
-        return sign | static_cast<u8>(i);
-    }
-    u32 v = (((u >> 23) - 120u) << 3) | ((u >> 20) & 7u);
-    const u32 rest = u & ((1u << 20) - 1u);
-    if (rest > (1u << 19) || (rest == (1u << 19) && (v & 1u))) v++;
-    return sign | static_cast<u8>(v);
-}
-#endif
-
-// The factor that maps amax onto e4m3's range, and its inverse (the stored scale).
-PYEP_DEVICE void fp8_scales(float amax, float& scale, float& inv) {
-    const float max_inv = 1.0f / 448.0f;
-    if (kRound) {
-        const u32 bits = __float_as_uint(mul_rn(amax, max_inv));
-        int e = static_cast<int>((bits >> 23) & 0xffu) - 127;
-        if ((bits & ((1u << 23) - 1u)) != 0) e++;
-        scale = __uint_as_float(static_cast<u32>(127 - e) << 23);
-        inv = __uint_as_float(static_cast<u32>(127 + e) << 23);
-    } else {
-        scale = 448.0f / amax;
-        inv = mul_rn(amax, max_inv);
-    }
-}
-
-// e4m3 of eight floats, packed in channel order.
-PYEP_DEVICE int2 pack_e4m3(const float (&f)[8]) {
-    u32 w[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-#ifdef PYEP_EMU
-        w[h] = 0;
-#pragma unroll
-        for (int k = 0; k < 4; k++) w[h] |= static_cast<u32>(to_e4m3(f[4 * h + k])) << (8 * k);
-#else
-        w[h] = static_cast<u32>(float2_to_e4m3x2(f[4 * h], f[4 * h + 1])) |
-               static_cast<u32>(float2_to_e4m3x2(f[4 * h + 2], f[4 * h + 3])) << 16;
-#endif
-    }
-    int2 out;
-    out.x = static_cast<int>(w[0]);
-    out.y = static_cast<int>(w[1]);
-    return out;
-}
-
 // The one step that writes a piece of a message into a destination slot (this rank's or a peer's,
 // reached through p.peers): the v at byte off of the message at slot.
 template <typename V>
@@ -328,7 +299,7 @@ PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int stride, int total, L
         for (int m2 = 1; m2 < 16; m2 <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m2));
         if (!on) continue;
         float scale, inv;
-        fp8_scales(amax, scale, inv);
+        fp8_scales<kRound>(amax, scale, inv);
 #pragma unroll
         for (int k = 0; k < 8; k++) f[k] = mul_rn(f[k], scale);
         const int2 packed = pack_e4m3(f);
@@ -376,7 +347,9 @@ PYEP_DEVICE void count_selections(const LLParams& p, const i32* g, const i32* be
 // g's counter (p.expert_sent), and the selection that completes g's count (every block knows how
 // many tokens selected g) stores g's flag seq << 32 | count. Experts that no token selected get
 // their flag (count 0) from block g % G, which asks for its experts (kOwn a batch) in the same
-// counting pass as its tokens' selections.
+// counting pass as its tokens' selections. A selection whose rank is remote is not written there:
+// the token's message is cast once into this rank's send area (message t), and after the barrier
+// a warp puts it from there into the slot, before any count (a barrier again); its flag is a signal.
 constexpr int kSel = kBatch * kTopk;  // selections of a batch
 constexpr int kOwn = 16;              // experts a block asks about for their zero flags, a batch
 PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
@@ -385,12 +358,14 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     PYEP_SHARED(i32, s_t, kSel + kOwn);       // selection q's token
     PYEP_SHARED(i32, s_before, kSel + kOwn);  // tokens before q's that selected its expert
     PYEP_SHARED(i32, s_total, kSel + kOwn);   // tokens that selected q's expert
-    PYEP_SHARED(u64, s_slot, kSel);           // selection q's slot at its rank (0: not written)
+    PYEP_SHARED(u64, s_slot, kSel);           // selection q's slot at its rank (0: not written), or the staged message
+    PYEP_SHARED(u64, s_rslot, kSel);          // selection q's slot at its rank when that is remote (0: none)
     const int warp = static_cast<int>(threadIdx.x) / 32, tid = static_cast<int>(threadIdx.x), R = p.num_ranks,
               E = p.num_experts, L = E / R, T = p.num_tokens, G = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
     i32* sent = reinterpret_cast<i32*>(p.expert_sent);
     auto flag = [&](int g) { return reinterpret_cast<u64*>(region(p, g / L) + p.off_dflags) + (g % L) * R + p.rank; };
+    u8* staged = local(p) + p.off_send;  // remote ranks' messages, by token
     const int owned = b < E ? (E - b + G - 1) / G : 0;  // experts b, b + G, ...
     for (int u0 = b, asked = 0; u0 < T || asked < owned; u0 += kBatch * G) {
         const int P = u0 < T ? batch_units(u0, T) : 0, S = P * kTopk;
@@ -412,17 +387,32 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         __syncthreads();
         for (int q = tid; q < own; q += kThreads) {
             const int g = s_g[S + q];
-            if (s_total[S + q] == 0 && may_send(p, g / L, seq)) st_release_sys(flag(g), static_cast<u64>(seq) << 32);
+            if (s_total[S + q] == 0 && may_send(p, g / L, seq)) signal_peer(p, g / L, flag(g), static_cast<u64>(seq) << 32);
         }
         asked += own;
         if (P == 0) continue;  // block-uniform
-        for (int s = tid; s < S; s += kThreads)
+        for (int s = tid; s < S; s += kThreads) {
+            if (kRemote) s_rslot[s] = 0;
             if (s_slot[s] != 0) {
                 const int g = s_g[s];
-                s_slot[s] = reinterpret_cast<u64>(region(p, g / L) + p.off_recv +
-                                                  ((static_cast<u64>(g % L) * R + p.rank) * p.max_tokens + s_before[s]) * p.msg_bytes);
+                const u64 slot = reinterpret_cast<u64>(region(p, g / L) + p.off_recv +
+                                                       ((static_cast<u64>(g % L) * R + p.rank) * p.max_tokens + s_before[s]) * p.msg_bytes);
+                const bool rem = is_remote(p, g / L);
+                s_slot[s] = rem ? 0 : slot;
+                if (rem) s_rslot[s] = slot;
             }
+        }
         __syncthreads();
+        if (kRemote) {
+            // A token with remote selections has its message cast once into the send area (in its first such slot).
+            for (int i = tid; i < P; i += kThreads)
+                for (int k = 0; k < kTopk; k++)
+                    if (s_rslot[i * kTopk + k] != 0) {
+                        s_slot[i * kTopk + k] = reinterpret_cast<u64>(staged + static_cast<u64>(u0 + i * G) * p.msg_bytes);
+                        break;
+                    }
+            __syncthreads();
+        }
         // Item it is chunk it % kChunks of the batch's token it / kChunks; warp w takes items w, w + kWarps, ...
         const int total = P * kChunks;
         for (int it0 = warp; it0 < total; it0 += kWarps * kCastBatch)
@@ -433,6 +423,13 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
                 slots = s_slot + i * kTopk;
             });
         __syncthreads();  // the block's messages are written
+        if (kRemote) {
+            for (int s = warp; s < S; s += kWarps)
+                if (s_rslot[s] != 0)  // warp-uniform
+                    put_peer(s_g[s] / L, reinterpret_cast<void*>(s_rslot[s]), staged + static_cast<u64>(s_t[s]) * p.msg_bytes,
+                             p.msg_bytes);
+            __syncthreads();  // every put of the block is issued before any of its counts
+        }
         for (int s = tid; s < S; s += kThreads) {
             const int g = s_g[s];
             if (g < 0) continue;
@@ -441,7 +438,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
             // The last of g's selections: every block's messages for g are ordered before this.
             fence_acq_rel_sys();
             st_volatile(sent + g, 0);  // for the next call (a later kernel)
-            if (!masked(p, g / L)) st_release_sys(flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[s]));
+            if (!masked(p, g / L)) signal_peer(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[s]));
         }
     }
 }
@@ -563,15 +560,18 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch(const LLParams p) { run_
 
 // Send: a unit is a pair (local expert j, destination d): j's rows from d go back, each into the slot
 // (this rank's global expert, token) of d's recv area, then the pair's flag. A batch's pairs are
-// admitted by warp 0 (a lane each) and copied by the block as one list.
+// admitted by warp 0 (a lane each) and copied by the block as one list; the rows of remote pairs
+// are put instead, a row a warp, straight from x (or the send area) into the slots.
 PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
     PYEP_SHARED(i32, s_n, kBatch);     // pair i's rows (0 when it may not send)
     PYEP_SHARED(i32, s_row, kBatch + 1);
     PYEP_SHARED(i64, s_first, kBatch);  // pair i's first row of x
     PYEP_SHARED(i32, s_ok, kBatch);
     PYEP_SHARED(u64, s_slots, kBatch);  // pair i's area at d
+    PYEP_SHARED(i32, s_rn, kBatch);     // pair i's rows when d is remote (then s_n[i] = 0)
+    PYEP_SHARED(i32, s_rrow, kBatch + 1);
     const int R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens, G = static_cast<int>(gridDim.x);
-    const int tid = static_cast<int>(threadIdx.x);
+    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32;
     const i64 RM = static_cast<i64>(R) * M;
     const u16* rows = p.zero_copy ? reinterpret_cast<const u16*>(local(p) + p.off_send) : reinterpret_cast<const u16*>(p.x);
     const i32* src_info = reinterpret_cast<const i32*>(p.src_info);
@@ -583,14 +583,24 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
                 const int pair = u0 + tid * G, j = pair / R, d = pair % R;
                 const bool ok = may_send(p, d, seq);
                 const i64 v = reinterpret_cast<const i64*>(p.layout_range)[j * R + d];
+                const bool rem = is_remote(p, d);
                 s_ok[tid] = ok ? 1 : 0;
-                s_n[tid] = ok ? static_cast<i32>(v & 0xffffffff) : 0;
+                s_n[tid] = ok && !rem ? static_cast<i32>(v & 0xffffffff) : 0;
+                s_rn[tid] = ok && rem ? static_cast<i32>(v & 0xffffffff) : 0;
                 s_first[tid] = j * RM + (v >> 32);
                 s_slots[tid] = reinterpret_cast<u64>(region(p, d) + p.off_recv + static_cast<u64>(p.rank * L + j) * M * (2 * kHidden));
             }
             warp0_prefix(s_n, s_row, P, 1);
+            if (kRemote) warp0_prefix(s_rn, s_rrow, P, 1);
         }
         __syncthreads();
+        if (kRemote)
+            for (int k = warp; k < s_rrow[P]; k += kWarps) {
+                const int i = unit_of(s_rrow, P, k);
+                const i64 row = s_first[i] + k - s_rrow[i];
+                put_peer((u0 + i * G) % R, reinterpret_cast<u8*>(s_slots[i]) + static_cast<u64>(ld_nc(src_info + row)) * (2 * kHidden),
+                         rows + row * kHidden, 2 * kHidden);
+            }
         block_copy_rows<int4, kRowUnroll, false, kHidden / 8>(
             s_row[P],
             [&](int k) {
@@ -606,8 +616,8 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
         if (tid < P && s_ok[tid] != 0) {
             const int pair = u0 + tid * G;
             fence_acq_rel_sys();  // the block's rows (ordered before this by the barrier) reach d first
-            st_release_sys(reinterpret_cast<u64*>(region(p, pair % R) + p.off_cflags) + p.rank * L + pair / R,
-                           static_cast<u64>(seq) << 32 | 1u);
+            signal_peer(p, pair % R, reinterpret_cast<u64*>(region(p, pair % R) + p.off_cflags) + p.rank * L + pair / R,
+                        static_cast<u64>(seq) << 32 | 1u);
         }
     }
 }

@@ -121,7 +121,9 @@ struct pyep_op_error {
 // ---- low-latency mode (low_latency.cu's LLParams, LLError) --------------------------------
 
 struct pyep_ll_params {
-    pyep_u64 peers;        // u64 [num_ranks]: every rank's region base, as mapped here
+    pyep_u64 peers;        // u64 [num_ranks]: every rank's region base, as mapped here (a remote peer's: its name for
+                           // remote_put, remote.cuh)
+    pyep_u64 remote;       // i32 [num_ranks]: nonzero where a peer is reached through remote.cuh (PYEP_LL_REMOTE only)
     pyep_u64 err;          // pyep_ll_error, host-mapped
     pyep_u64 timeout_ns;   // bound of every wait
     pyep_u64 calls;        // u64 [2]: calls received per half (this rank's engine memory)
@@ -160,7 +162,7 @@ PYEP_ABI_SIZE(struct pyep_dispatch_params, 368);
 PYEP_ABI_SIZE(struct pyep_combine_params, 304);
 PYEP_ABI_SIZE(struct pyep_layout_params, 64);
 PYEP_ABI_SIZE(struct pyep_op_error, 64);
-PYEP_ABI_SIZE(struct pyep_ll_params, 224);
+PYEP_ABI_SIZE(struct pyep_ll_params, 232);
 PYEP_ABI_SIZE(struct pyep_ll_error, 32);
 #undef PYEP_ABI_SIZE
 

@@ -1,12 +1,14 @@
 package cuda
 
 import (
+	"errors"
 	"fmt"
 	"sync"
 
 	"github.com/pyep/pyep/goep/cuda/driver"
 	"github.com/pyep/pyep/goep/env"
 	"github.com/pyep/pyep/goep/jit"
+	"github.com/pyep/pyep/goep/nvshmem"
 )
 
 // The device's compiled kernels, of every mode: compiled once per device and shared by every
@@ -62,7 +64,16 @@ type kernelCache struct {
 	arch    string
 	kernels map[KernelKey]driver.Function
 	sources map[string]jit.Source
+	// linked are the modules registered with NVSHMEM (RemoteDefine builds), by the keys of
+	// their kernels: NVSHMEM's finalize invalidates them (DropRemoteKernels).
+	linked map[KernelKey]driver.Module
 }
+
+// RemoteDefine is the define of a low-latency kernel that reaches peers on other nodes through
+// kernels/remote.cuh: on a GPU it is compiled to LTO-IR, linked with NVSHMEM's device library
+// (goep/jit's CompileLinked) and registered with NVSHMEM (nvshmemx_cumodule_init) before its
+// first launch, which needs NVSHMEM initialised (the buffer's sync does it).
+const RemoteDefine = "PYEP_LL_REMOTE"
 
 // SetNormalOptions replaces the device's engine options and forgets the kernels loaded so far.
 func (b *Backend) SetNormalOptions(o NormalOptions) {
@@ -153,10 +164,15 @@ func (k *kernelCache) function(b *Backend, key KernelKey, defines func() map[str
 	sym := kernelSymbols[key.Kernel]
 	var f driver.Function
 	var err error
-	if k.opts.Loader != nil {
-		f, err = k.opts.Loader.Load(b, sym.file, sym.c, defines())
-	} else {
-		f, err = k.nvrtc(b, sym.file, sym.gpu, defines())
+	d := defines()
+	_, remote := d[RemoteDefine]
+	switch {
+	case k.opts.Loader != nil:
+		f, err = k.opts.Loader.Load(b, sym.file, sym.c, d)
+	case remote:
+		f, err = k.linkedKernel(b, key, sym.file, sym.gpu, d)
+	default:
+		f, err = k.nvrtc(b, sym.file, sym.gpu, d)
 	}
 	if err != nil {
 		return driver.Function{}, fmt.Errorf("pyep: loading kernel %s of %s: %w", sym.c, sym.file, err)
@@ -168,12 +184,12 @@ func (k *kernelCache) function(b *Backend, key KernelKey, defines func() map[str
 	return f, nil
 }
 
-// nvrtc compiles file for this GPU (through jit's cache) and loads the kernel.
-func (k *kernelCache) nvrtc(b *Backend, file, name string, defines map[string]string) (driver.Function, error) {
+// source is file's source and the device's architecture.
+func (k *kernelCache) source(b *Backend, file string) (jit.Source, error) {
 	if k.arch == "" {
 		arch, err := b.dev.Arch()
 		if err != nil {
-			return driver.Function{}, err
+			return jit.Source{}, err
 		}
 		k.arch = arch
 	}
@@ -181,12 +197,21 @@ func (k *kernelCache) nvrtc(b *Backend, file, name string, defines map[string]st
 	if !ok {
 		var err error
 		if src, err = jit.Kernel(file); err != nil {
-			return driver.Function{}, err
+			return jit.Source{}, err
 		}
 		if k.sources == nil {
 			k.sources = map[string]jit.Source{}
 		}
 		k.sources[file] = src
+	}
+	return src, nil
+}
+
+// nvrtc compiles file for this GPU (through jit's cache) and loads the kernel.
+func (k *kernelCache) nvrtc(b *Backend, file, name string, defines map[string]string) (driver.Function, error) {
+	src, err := k.source(b, file)
+	if err != nil {
+		return driver.Function{}, err
 	}
 	cubin, err := jit.Compile(src, jit.Options{Arch: k.arch, Defines: defines, Flags: extraFlags})
 	if err != nil {
@@ -197,4 +222,69 @@ func (k *kernelCache) nvrtc(b *Backend, file, name string, defines map[string]st
 		return driver.Function{}, err
 	}
 	return mod.Function(name)
+}
+
+// linkedKernel compiles file with NVSHMEM (RemoteDefine), links it with NVSHMEM's device library,
+// loads it, and registers the module with NVSHMEM, which must be initialised.
+func (k *kernelCache) linkedKernel(b *Backend, key KernelKey, file, name string, defines map[string]string) (driver.Function, error) {
+	lib, err := nvshmem.Open()
+	if err != nil {
+		return driver.Function{}, err
+	}
+	if !lib.Initialized() {
+		return driver.Function{}, fmt.Errorf("%s needs NVSHMEM initialised, which the buffer's sync does for a group across nodes: %w",
+			RemoteDefine, nvshmem.ErrNotInitialized)
+	}
+	inc, dev, err := lib.Install.DeviceLink()
+	if err != nil {
+		return driver.Function{}, err
+	}
+	src, err := k.source(b, file)
+	if err != nil {
+		return driver.Function{}, err
+	}
+	cubin, err := jit.CompileLinked(src, jit.LinkOptions{Options: jit.Options{Arch: k.arch, Defines: defines, Flags: extraFlags},
+		IncludeDirs: []string{inc}, Libraries: []string{dev}})
+	if err != nil {
+		return driver.Function{}, err
+	}
+	mod, err := b.drv.ModuleLoadData(cubin)
+	if err != nil {
+		return driver.Function{}, err
+	}
+	if err := lib.ModuleInit(mod.Raw()); err != nil {
+		_ = b.drv.ModuleUnload(mod)
+		return driver.Function{}, err
+	}
+	if k.linked == nil {
+		k.linked = map[KernelKey]driver.Module{}
+	}
+	k.linked[key] = mod
+	return mod.Function(name)
+}
+
+// DropRemoteKernels forgets the kernels linked with NVSHMEM and unloads their modules, after
+// nvshmemx_cumodule_finalize: before NVSHMEM finalizes, with the device idle. The context must
+// be current (Enter).
+func (b *Backend) DropRemoteKernels() error {
+	k := &b.kernels
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if len(k.linked) == 0 {
+		return nil
+	}
+	lib, err := nvshmem.Open()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for key, mod := range k.linked {
+		if lib.Initialized() {
+			errs = append(errs, lib.ModuleFinalize(mod.Raw()))
+		}
+		errs = append(errs, b.drv.ModuleUnload(mod))
+		delete(k.kernels, key)
+		delete(k.linked, key)
+	}
+	return errors.Join(errs...)
 }

@@ -46,6 +46,8 @@ var (
 	emuH string
 	//go:embed launch.h
 	launchH string
+	//go:embed remote.h
+	remoteH string
 )
 
 // Options are the engine options that run the emulated kernels: small blocks, since every
@@ -99,7 +101,11 @@ func (Loader) Load(b *cuda.Backend, file, kernel string, defines map[string]stri
 		if l.Grid[1] != 1 || l.Grid[2] != 1 || l.Block[1] != 1 || l.Block[2] != 1 {
 			return fmt.Errorf("emu: one-dimensional launches only")
 		}
-		if rc := C.emu_call_launch(lib.launch, k, C.uint(l.Grid[0]), C.uint(l.Block[0]), l.Args[0]); rc != 0 {
+		switch rc := C.emu_call_launch(lib.launch, k, C.uint(l.Grid[0]), C.uint(l.Block[0]), l.Args[0]); rc {
+		case 0:
+		case -2:
+			return fmt.Errorf("emu: %s ended with remote puts that no signal followed (pyep internal error: a receiver would wait for them)", l.Name)
+		default:
 			return fmt.Errorf("emu: could not start the threads of %s", l.Name)
 		}
 		return nil
@@ -192,6 +198,16 @@ func wrap(file string) (jit.Source, error) {
 	b.WriteString("        if (k.fn == nullptr) *why = k.why;\n        return k.fn != nullptr ? &k : nullptr;\n    }\n")
 	b.WriteString("    return nullptr;\n}\n}  // namespace pyep\n")
 	headers := append(append([]jit.Header{}, k.Headers...),
-		jit.Header{Name: file, Text: k.Text}, jit.Header{Name: "emu.h", Text: emuH}, jit.Header{Name: "launch.h", Text: launchH})
+		jit.Header{Name: file, Text: k.Text}, jit.Header{Name: "emu.h", Text: emuH}, jit.Header{Name: "launch.h", Text: launchH},
+		jit.Header{Name: "remote.h", Text: remoteH})
 	return jit.Source{Name: "emu/" + strings.TrimSuffix(file, ".cu") + ".cc", Text: b.String(), Headers: headers}, nil
 }
+
+// symmetricTag is remote.h's kSymmetricTag: a remote peer's region is named to the emulated
+// kernels by its mapping plus the tag, an address that faults if a kernel writes to it directly.
+const symmetricTag = 1 << 62
+
+// RemoteName is what names region, a remote peer's region as mapped here, to the emulated
+// kernels' remote_put (cudall.Reach's Names): the emulator's stand-in for NVSHMEM's symmetric
+// address, which the kernels may only pass to remote.cuh.
+func RemoteName(region unsafe.Pointer) uint64 { return uint64(uintptr(region)) + symmetricTag }

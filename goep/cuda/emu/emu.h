@@ -16,6 +16,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #define PYEP_DEVICE static inline
 #define __global__
@@ -74,9 +75,23 @@ struct Block {
     }
 };
 
+// A put that remote.h recorded and the next signal to its PE lands.
+struct Put {
+    void* dst;
+    const void* src;
+    size_t n;
+};
+
+// What the threads of one launch share: the puts recorded so far, by destination PE.
+struct Launch {
+    std::mutex m;
+    std::map<int, std::vector<Put>> puts;
+};
+
 struct Thread {
     dim3 thread, block, block_dim, grid_dim;
     Block* b;
+    Launch* launch;
 };
 
 extern thread_local Thread self;

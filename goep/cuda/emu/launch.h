@@ -59,11 +59,12 @@ static void* run(void* arg) {
 
 }  // namespace emu
 
-// Runs k over grid x block threads; params is copied first. Returns 0, or -1 if a thread could
-// not be started.
+// Runs k over grid x block threads; params is copied first. Returns 0, -1 if a thread could not
+// be started, or -2 if the kernel left puts without a signal after them (remote.h).
 extern "C" __attribute__((visibility("default"))) int emu_launch(const emu::Kernel* k, unsigned grid, unsigned block,
                                                                  const void* params) {
     std::vector<char> copy(static_cast<const char*>(params), static_cast<const char*>(params) + k->params_bytes);
+    emu::Launch launch;
     std::vector<std::unique_ptr<emu::Block>> blocks;
     for (unsigned b = 0; b < grid; b++) {
         blocks.emplace_back(new emu::Block());
@@ -85,6 +86,7 @@ extern "C" __attribute__((visibility("default"))) int emu_launch(const emu::Kern
             s.t.block_dim = dim3{block, 1, 1};
             s.t.grid_dim = dim3{grid, 1, 1};
             s.t.b = blocks[b].get();
+            s.t.launch = &launch;
             s.k = k;
             s.params = copy.data();
             if (pthread_create(&threads[started], &attr, emu::run, &s) != 0) {
@@ -99,5 +101,7 @@ extern "C" __attribute__((visibility("default"))) int emu_launch(const emu::Kern
     // caller sees -1 (and the started threads are left to their fate: tests fail anyway).
     if (rc != 0) return rc;
     for (size_t i = 0; i < started; i++) pthread_join(threads[i], nullptr);
+    for (auto& kv : launch.puts)
+        if (!kv.second.empty()) return -2;
     return 0;
 }

@@ -33,7 +33,24 @@ type llRank struct {
 	env *rankEnv
 }
 
-func newLLDomain(t *testing.T, R int, numBytes int64) []*llRank {
+// remoteOf is which peers a rank reaches through kernels/remote.cuh: those of other nodes of
+// perNode ranks (0: one node), or with noNVLink every other rank (nil: none).
+func remoteOf(R, perNode int, noNVLink bool) func(r int) []bool {
+	if perNode == 0 && !noNVLink {
+		return func(int) []bool { return nil }
+	}
+	return func(r int) []bool {
+		remote := make([]bool, R)
+		for p := range remote {
+			remote[p] = p != r && (noNVLink || perNode > 0 && p/perNode != r/perNode)
+		}
+		return remote
+	}
+}
+
+// newLLDomain makes the engines of R ranks on fake GPUs; remote(r) are rank r's remote peers,
+// which its kernels reach through the emulated remote_put/remote_signal.
+func newLLDomain(t *testing.T, R int, numBytes int64, remote func(r int) []bool) []*llRank {
 	t.Helper()
 	w := fake.NewWorld()
 	ranks := make([]*llRank, R)
@@ -54,6 +71,7 @@ func newLLDomain(t *testing.T, R int, numBytes int64) []*llRank {
 	}
 	for r, k := range ranks {
 		regions := make([]unsafe.Pointer, R)
+		reach := &cudall.Reach{Remote: remote(r), Names: make([]uint64, R)}
 		for p := range R {
 			if p == r {
 				regions[p] = locals[p].(interface{ Data() unsafe.Pointer }).Data()
@@ -63,17 +81,21 @@ func newLLDomain(t *testing.T, R int, numBytes int64) []*llRank {
 			require.NoError(t, err)
 			t.Cleanup(func() { assert.NoError(t, reg.Close()) })
 			regions[p] = reg.Data()
+			if reach.Remote != nil && reach.Remote[p] {
+				// The kernels see the peer only by its name, as NVSHMEM's symmetric address on a GPU.
+				reach.Names[p], regions[p] = emu.RemoteName(reg.Data()), nil
+			}
 		}
 		var err error
-		k.ll, err = cudall.New(k.be, r, regions, numBytes, 1)
+		k.ll, err = cudall.New(k.be, r, regions, numBytes, 1, reach)
 		require.NoError(t, err)
 		t.Cleanup(func() { assert.NoError(t, k.ll.Close()) })
 	}
 	return ranks
 }
 
-// refLL is goep/lowlatency's engines over host memory.
-func refLL(t *testing.T, R int, numBytes int64) []*lowlatency.Engine {
+// refLL is goep/lowlatency's engines over host memory, with the same remote peers.
+func refLL(t *testing.T, R int, numBytes int64, remote func(r int) []bool) []*lowlatency.Engine {
 	regions := make([]unsafe.Pointer, R)
 	for r := range regions {
 		b := make([]uint64, numBytes/8+16)
@@ -82,7 +104,8 @@ func refLL(t *testing.T, R int, numBytes int64) []*lowlatency.Engine {
 	}
 	out := make([]*lowlatency.Engine, R)
 	for r := range out {
-		e, err := lowlatency.NewEngine(lowlatency.Domain{Rank: r, NumRanks: R, Regions: regions, NumBytes: numBytes, Timeout: 20 * time.Second})
+		e, err := lowlatency.NewEngine(lowlatency.Domain{Rank: r, NumRanks: R, Regions: regions, NumBytes: numBytes,
+			Timeout: 20 * time.Second, Remote: remote(r)})
 		require.NoError(t, err)
 		out[r] = e
 	}
@@ -92,6 +115,21 @@ func refLL(t *testing.T, R int, numBytes int64) []*lowlatency.Engine {
 type llCase struct {
 	R, T, H, K, E, M        int
 	fp8, round, ue8m0, hook bool
+	// perNode: ranks per (emulated) node, 0 for one node; noNVLink: every peer remote
+	// (allow_nvlink_for_low_latency_mode=False).
+	perNode  int
+	noNVLink bool
+}
+
+func (c llCase) String() string {
+	s := fmt.Sprintf("R%d_H%d_fp8=%v_ue8m0=%v_hook=%v", c.R, c.H, c.fp8, c.ue8m0, c.hook)
+	if c.perNode > 0 {
+		s += fmt.Sprintf("_nodes_of_%d", c.perNode)
+	}
+	if c.noNVLink {
+		s += "_no_nvlink"
+	}
+	return s
 }
 
 func (c llCase) inputs(r, call int) (x []uint16, idx []int64, w []float32) {
@@ -132,9 +170,23 @@ func TestEmulatedLowLatency(t *testing.T) {
 		// batch's 88 selections outnumber the block's threads.
 		{R: 3, T: 9, H: 256, K: 11, E: 12, M: 9, fp8: true, round: true},
 	} {
-		t.Run(fmt.Sprintf("R%d_H%d_fp8=%v_ue8m0=%v_hook=%v", c.R, c.H, c.fp8, c.ue8m0, c.hook), func(t *testing.T) {
-			runLL(t, c)
-		})
+		t.Run(c.String(), func(t *testing.T) { runLL(t, c) })
+	}
+}
+
+// Across nodes (hybrid): the peers of other nodes are reached through the emulated NVSHMEM pair,
+// those of this rank's node directly, and every output is still bit for bit the reference's,
+// which writes the same peers through its own remote path.
+func TestEmulatedLowLatencyAcrossNodes(t *testing.T) {
+	for _, c := range []llCase{
+		{R: 2, T: 6, H: 256, K: 2, E: 8, M: 8, perNode: 1},
+		{R: 4, T: 5, H: 384, K: 3, E: 8, M: 6, fp8: true, perNode: 2},
+		{R: 4, T: 5, H: 256, K: 3, E: 8, M: 6, fp8: true, round: true, ue8m0: true, hook: true, perNode: 2},
+		{R: 3, T: 6, H: 256, K: 2, E: 6, M: 8, hook: true, noNVLink: true},
+		// two rounds of tokens a block (64 threads): the puts of a round read its lists before the next
+		{R: 2, T: 70, H: 640, K: 4, E: 4, M: 80, fp8: true, perNode: 1},
+	} {
+		t.Run(c.String(), func(t *testing.T) { runLL(t, c) })
 	}
 }
 
@@ -142,8 +194,9 @@ func runLL(t *testing.T, c llCase) {
 	shape := lowlatency.Shape{MaxTokens: c.M, Hidden: c.H, NumExperts: c.E}
 	size, err := lowlatency.SizeHint(c.R, shape)
 	require.NoError(t, err)
-	gpu := newLLDomain(t, c.R, size)
-	ref := refLL(t, c.R, size)
+	remote := remoteOf(c.R, c.perNode, c.noNVLink)
+	gpu := newLLDomain(t, c.R, size, remote)
+	ref := refLL(t, c.R, size, remote)
 	L, RM := c.E/c.R, c.R*c.M
 	rowBytes, S := 2*c.H, c.H/lowlatency.ScaleBlock
 	if c.fp8 {

@@ -46,7 +46,8 @@ type Engine struct {
 	rank, n  int
 	bytes    int64
 	base     driver.DevicePtr // this rank's region
-	peersDev driver.DevicePtr // u64 [n]: every rank's region as mapped here
+	peersDev driver.DevicePtr // u64 [n]: every rank's region as mapped here (or named, when remote); then i32 [n]: remote
+	remote   bool             // some peer is remote: the kernels are the PYEP_LL_REMOTE build
 	sharing  int              // ranks on this GPU
 	sms      int              // the GPU's SMs, read once: a driver call per launch costs host time
 	timeout  time.Duration
@@ -59,21 +60,58 @@ type Engine struct {
 	closed   bool
 }
 
+// Reach says which peers the engine reaches through kernels/remote.cuh (NVSHMEM on a GPU): those
+// of other nodes, or every one but this rank with allow_nvlink_for_low_latency_mode=False.
+type Reach struct {
+	Remote []bool // by rank
+	// Names are, by rank, what names a remote peer's region to remote_put: 0 (or no Names) for
+	// this rank's own region, whose address NVSHMEM translates into the peer's (the region is in
+	// its symmetric heap); the emulator's tests name the peers' mappings (goep/cuda/emu).
+	Names []uint64
+}
+
+// table is the kernels' per-peer table: u64 [n] region addresses (a remote peer's name), then
+// i32 [n] remote flags.
+func (r *Reach) table(rank int, regions []unsafe.Pointer) ([]byte, bool, error) {
+	n := len(regions)
+	table := make([]byte, 12*n)
+	some := false
+	for p := range n {
+		v := uint64(uintptr(regions[p]))
+		if r != nil && r.Remote != nil && r.Remote[p] {
+			if p == rank {
+				return nil, false, fmt.Errorf("pyep: cuda: low-latency mode: rank %d cannot be remote to itself", p)
+			}
+			v = uint64(uintptr(regions[rank]))
+			if p < len(r.Names) && r.Names[p] != 0 {
+				v = r.Names[p]
+			}
+			binary.LittleEndian.PutUint32(table[8*n+4*p:], 1)
+			some = true
+		} else if v == 0 {
+			return nil, false, fmt.Errorf("pyep: cuda: low-latency mode: rank %d's region is not mapped on rank %d", p, rank)
+		}
+		binary.LittleEndian.PutUint64(table[8*p:], v)
+	}
+	return table, some, nil
+}
+
 // New makes the engine of rank on b's GPU over regions (every rank's low-latency region as
-// mapped here, numBytes each).
-// sharing is how many ranks of the group use this GPU (their kernels share its SMs).
-func New(b *cuda.Backend, rank int, regions []unsafe.Pointer, numBytes int64, sharing int) (*Engine, error) {
+// mapped here, numBytes each; nil for a remote peer), reaching the remote peers of reach (nil:
+// none) through kernels/remote.cuh. sharing is how many ranks of the group use this GPU (their
+// kernels share its SMs).
+func New(b *cuda.Backend, rank int, regions []unsafe.Pointer, numBytes int64, sharing int, reach *Reach) (*Engine, error) {
+	if reach != nil && reach.Remote != nil && len(reach.Remote) != len(regions) {
+		return nil, fmt.Errorf("pyep: cuda: low-latency mode: %d remote flags for %d ranks", len(reach.Remote), len(regions))
+	}
+	table, remote, err := reach.table(rank, regions)
+	if err != nil {
+		return nil, err
+	}
 	exit, err := b.Enter()
 	defer exit()
 	if err != nil {
 		return nil, err
-	}
-	table := make([]byte, 8*len(regions))
-	for i, r := range regions {
-		v := uint64(uintptr(r))
-		for k := range 8 {
-			table[8*i+k] = byte(v >> (8 * k))
-		}
 	}
 	peers, err := b.Driver().MemAlloc(len(table))
 	if err != nil {
@@ -104,7 +142,8 @@ func New(b *cuda.Backend, rank int, regions []unsafe.Pointer, numBytes int64, sh
 		return nil, err
 	}
 	return &Engine{b: b, rank: rank, n: len(regions), bytes: numBytes, base: cuda.PtrOf(regions[rank]), peersDev: peers,
-		sharing: max(1, sharing), sms: sms, timeout: b.Timeout(), localDev: localDev, errHost: errHost, errDev: errDev, params: new(llParams)}, nil
+		remote: remote, sharing: max(1, sharing), sms: sms, timeout: b.Timeout(), localDev: localDev, errHost: errHost, errDev: errDev,
+		params: new(llParams)}, nil
 }
 
 var _ goep.DeviceLowLatency = (*Engine)(nil)
@@ -118,7 +157,7 @@ func NewEngine(env goep.EngineEnv, regions []unsafe.Pointer, numBytes int64, tok
 	if err != nil {
 		return nil, err
 	}
-	e, err := New(b, env.Topo.Rank, regions, numBytes, b.RanksOnDevice(tokens))
+	e, err := New(b, env.Topo.Rank, regions, numBytes, b.RanksOnDevice(tokens), nil)
 	if err != nil {
 		return nil, err
 	}
@@ -201,17 +240,29 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 			flags |= 1 << i
 		}
 	}
+	// D: the remote build (its own module, linked with NVSHMEM's device library on a GPU).
 	key := cuda.KernelKey{Kernel: kernel, A: int32(c.Shape.Hidden), B: int32(c.NumTopk), C: flags, Threads: int32(opts.LowLatencyThreads)}
+	if e.remote {
+		key.D = 1
+	}
 	f, err := e.b.Kernel(key, func() map[string]string {
-		return map[string]string{def: "", "PYEP_LL_HIDDEN": itoa(c.Shape.Hidden), "PYEP_LL_TOPK": itoa(c.NumTopk),
+		d := map[string]string{def: "", "PYEP_LL_HIDDEN": itoa(c.Shape.Hidden), "PYEP_LL_TOPK": itoa(c.NumTopk),
 			"PYEP_LL_FP8": b2s(c.UseFP8), "PYEP_LL_ROUND": b2s(c.RoundScale), "PYEP_LL_UE8M0": b2s(c.UseUE8M0),
 			"PYEP_LL_THREADS": itoa(opts.LowLatencyThreads)}
+		if e.remote {
+			d[cuda.RemoteDefine] = ""
+		}
+		return d
 	})
 	if err != nil {
 		return nil, err
 	}
 	p := e.params
-	*p = llParams{peers: u64(e.peersDev), err: u64(e.errDev), timeout_ns: u64(e.timeout.Nanoseconds()),
+	remoteTable := u64(0)
+	if e.remote {
+		remoteTable = u64(e.peersDev) + u64(8*e.n)
+	}
+	*p = llParams{peers: u64(e.peersDev), remote: remoteTable, err: u64(e.errDev), timeout_ns: u64(e.timeout.Nanoseconds()),
 		calls: u64(e.localDev), counter: u64(e.localDev) + 16, expert_sent: u64(e.localDev) + llSentOff, off_ack: u64(l.Ack(0, 0)), off_mask: u64(l.Mask(0)),
 		off_dflags: u64(l.DispatchFlags(h)), off_cflags: u64(l.CombineFlags(h)), off_send: u64(l.Send(h)),
 		off_recv: u64(l.Recv(h)), msg_bytes: u64(l.DispatchMsgBytes),

@@ -1,0 +1,54 @@
+// remote.cuh: how low-latency mode writes into a peer on another node (or into every peer, with
+// allow_nvlink_for_low_latency_mode=False): the pair remote_put_warp / remote_signal, with the
+// contract of goep/lowlatency/remote.go, which the cpu reference emulates:
+//   - remote_put_warp(dst, src, n, pe) starts copying n bytes from src (this rank's memory) to
+//     dst, which names pe's memory as NVSHMEM does (a symmetric address: the same offset in this
+//     rank's own region). Nothing about those bytes is known until pe sees a later signal of
+//     this rank; src must stay unchanged until then. A warp collective: every lane calls it.
+//   - remote_signal(word, v, pe) stores the 8-byte v at word (named like dst) once every earlier
+//     put of this rank to pe has landed; a whole-word set. One thread calls it.
+// The receiver polls its own region with acquire loads, so its side is the same whichever way a
+// peer wrote. Only a kernel built with PYEP_LL_REMOTE has the pair (and needs NVSHMEM); a
+// one-node build compiles none of this.
+//
+// On a GPU the pair is NVSHMEM's: a non-blocking warp put, then nvshmem_quiet (every put of this
+// PE complete: delivered, and its source free) and a signal with NVSHMEM_SIGNAL_SET. The caller
+// has ordered the puts of its block before the signal with a barrier. The emulator
+// (goep/cuda/emu/remote.h) records the puts and lands them only at the signal.
+#pragma once
+
+#ifdef PYEP_LL_REMOTE
+#ifdef PYEP_EMU
+#include "remote.h"
+#else
+// NVRTC has no C++ standard library: NVSHMEM's headers use std::is_integral and friends, which
+// CCCL's <cuda/std/type_traits> provides under cuda::std.
+#include <cuda/std/type_traits>
+namespace std {
+using cuda::std::enable_if;
+using cuda::std::is_floating_point;
+using cuda::std::is_integral;
+using cuda::std::is_same;
+using cuda::std::is_signed;
+using cuda::std::is_unsigned;
+using cuda::std::remove_reference;
+}  // namespace std
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "utils.cuh"
+
+namespace pyep {
+
+PYEP_DEVICE void remote_put_warp(void* dst, const void* src, u64 n, int pe) {
+    nvshmemx_putmem_nbi_warp(dst, src, static_cast<size_t>(n), pe);
+}
+
+PYEP_DEVICE void remote_signal(u64* word, u64 v, int pe) {
+    nvshmem_quiet();
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(word), static_cast<uint64_t>(v), NVSHMEM_SIGNAL_SET, pe);
+}
+
+}  // namespace pyep
+#endif  // PYEP_EMU
+#endif  // PYEP_LL_REMOTE
