@@ -2,7 +2,6 @@ package goep
 
 import (
 	"bytes"
-	"crypto/rand"
 	"errors"
 	"fmt"
 	"math"
@@ -23,8 +22,8 @@ type Params struct {
 	UseFabric bool
 	// NoNVLinkForLowLatency is allow_nvlink_for_low_latency_mode=False: the cpu backend's
 	// low-latency engine reaches every peer, its own node's too, through the remote path
-	// (goep/lowlatency's remotePut/remoteSignal), as DeepEP sends everything over RDMA then. The
-	// cuda backend ignores it until it has NVSHMEM.
+	// (goep/lowlatency's remotePut/remoteSignal), as DeepEP sends everything over RDMA then; the
+	// cuda backend's, through NVSHMEM's puts and signals (low_latency_nvshmem.go).
 	NoNVLinkForLowLatency bool
 	// RanksPerNode makes each RanksPerNode consecutive ranks one node (NVLink domain); 0: what
 	// PYEP_RANKS_PER_NODE says when the buffer is made, and unset DeepEP's nodes of 8.
@@ -156,20 +155,17 @@ func (b *Buffer) localHandle() []byte {
 	if b.local != nil {
 		h.Size, h.Token = b.params.NumNVLBytes, b.local.Token()
 	}
-	if b.ll != nil {
+	if b.ll != nil && b.ll.local != nil {
 		h.RDMASize, h.RDMAToken = b.params.NumRDMABytes, b.ll.local.Token()
 	}
 	return h.Encode()
 }
 
-// LocalNVSHMEMUniqueID makes a fresh NVSHMEM-style unique id for the root rank to share. The cpu
-// backend has no NVSHMEM: the id only identifies the group until the internode work uses it.
+// LocalNVSHMEMUniqueID makes a fresh unique id for the root rank to share: NVSHMEM's where the
+// buffer bootstraps NVSHMEM at sync (a device buffer in low-latency mode across nodes), else
+// random bytes that only identify the group (the cpu backend has no NVSHMEM).
 func (b *Buffer) LocalNVSHMEMUniqueID() ([]byte, error) {
-	id := make([]byte, UniqueIDBytes)
-	if _, err := rand.Read(id); err != nil {
-		return nil, err
-	}
-	return id, nil
+	return b.nvshmemUniqueID()
 }
 
 var (
@@ -195,17 +191,18 @@ func (b *Buffer) Sync(deviceIDs []int, handles [][]byte, rootUniqueID []byte) er
 			return fmt.Errorf("sync rank %d: %w", b.topo.Rank, err)
 		}
 	}
-	if err := b.openLowLatency(handles); err != nil {
+	if b.topo.NumRDMARanks > 1 || b.params.LowLatencyMode {
+		if len(rootUniqueID) != UniqueIDBytes {
+			b.closePeers()
+			return Argf("sync rank %d: root_unique_id has %d bytes: expected the %d of get_local_nvshmem_unique_id()", b.topo.Rank, len(rootUniqueID), UniqueIDBytes)
+		}
+	}
+	if err := b.openLowLatency(handles, rootUniqueID); err != nil {
 		b.closePeers()
 		b.closeLowLatencyPeers()
 		return fmt.Errorf("sync rank %d: %w", b.topo.Rank, err)
 	}
 	if b.topo.NumRDMARanks > 1 || b.params.LowLatencyMode {
-		if len(rootUniqueID) != UniqueIDBytes {
-			b.closePeers()
-			b.closeLowLatencyPeers()
-			return Argf("sync rank %d: root_unique_id has %d bytes: expected the %d of get_local_nvshmem_unique_id()", b.topo.Rank, len(rootUniqueID), UniqueIDBytes)
-		}
 		b.rootUniqueID = bytes.Clone(rootUniqueID)
 	}
 	b.state = available
@@ -314,6 +311,11 @@ func (b *Buffer) Destroy() error {
 	errs := []error{b.closeEngines()}
 	b.closePeers()
 	b.closeLowLatencyPeers()
+	if b.ll != nil && b.ll.nvshmem && b.rdma != nil {
+		// NVSHMEM's region, kernels and group go first (collective: every rank destroys).
+		errs = append(errs, b.rdma.Close())
+		b.rdma = nil
+	}
 	if b.local != nil {
 		errs = append(errs, b.local.Close())
 		b.peers[b.topo.NVLRank] = nil

@@ -18,6 +18,9 @@ type EngineEnv struct {
 	Backend     Backend
 	Topo        Topology
 	NumNVLBytes int64
+	// Remote are, by rank, the peers that a low-latency engine reaches through NVSHMEM's puts
+	// and signals (its regions hold nil for them); nil: none.
+	Remote []bool
 }
 
 // Engines are the makers of a buffer's engines, one per mode, for an engine that lives outside

@@ -20,9 +20,8 @@ import (
 // Across nodes. On the cpu backend every rank is a process of one machine, so the regions are
 // shared whatever the nodes (PYEP_RANKS_PER_NODE's, or DeepEP's nodes of 8 in a larger group):
 // goep/lowlatency writes a peer of its own node directly and a peer of another node only through
-// its remote path (remotePut/remoteSignal), the NVSHMEM contract that the GPU will keep. A device
-// backend has no NVSHMEM yet: across nodes its buffer shares nothing and the calls raise
-// NotAvailableError.
+// its remote path (remotePut/remoteSignal), the NVSHMEM contract that the GPU keeps. A device
+// backend runs the mode across nodes over NVSHMEM (low_latency_nvshmem.go).
 
 // lowLatency is a Buffer's low-latency engine and the regions it runs over.
 type lowLatency struct {
@@ -41,6 +40,11 @@ type lowLatency struct {
 	calls       uint32
 	shape       lowlatency.Shape
 	deviceHooks map[uint32]LLReceive
+
+	// nvshmem: the region is made at sync in NVSHMEM's symmetric heap (usesNVSHMEM; local is
+	// nil, and b.rdma is the region once synced); unavailable says why NVSHMEM cannot run here.
+	nvshmem     bool
+	unavailable error
 }
 
 // sharesLowLatency: whether this buffer's RDMA region is the shared low-latency region.
@@ -66,6 +70,11 @@ func (b *Buffer) remotePeers() []bool {
 
 // allocateRDMA makes the RDMA region: shared with the peers in low-latency mode on one node.
 func (b *Buffer) allocateRDMA() (RDMARegion, error) {
+	if b.usesNVSHMEM() {
+		b.ll = &lowLatency{peers: make([]Region, b.topo.NumRanks), timeout: OpTimeout(), hooks: map[uint32]*lowlatency.Recv{},
+			deviceHooks: map[uint32]LLReceive{}, nvshmem: true}
+		return nil, nil
+	}
 	if !b.sharesLowLatency() {
 		return b.backend.AllocateRDMA(b.params.NumRDMABytes)
 	}
@@ -79,11 +88,15 @@ func (b *Buffer) allocateRDMA() (RDMARegion, error) {
 	return r, nil
 }
 
-// openLowLatency opens every peer's low-latency region from its handle and makes the engine.
-func (b *Buffer) openLowLatency(handles [][]byte) error {
+// openLowLatency opens every peer's low-latency region from its handle and makes the engine
+// (over NVSHMEM from root, the root unique id, where the buffer uses it).
+func (b *Buffer) openLowLatency(handles [][]byte, root []byte) error {
 	ll, t := b.ll, b.topo
 	if ll == nil {
 		return nil
+	}
+	if ll.nvshmem {
+		return b.openSymmetric(handles, root)
 	}
 	if len(handles) != t.NumRanks {
 		return Argf("ipc_handles has %d entries: expected num_ranks = %d", len(handles), t.NumRanks)
@@ -202,11 +215,10 @@ func (b *Buffer) lowLatency(op string) (*lowLatency, error) {
 		return nil, Argf("%s: the buffer was made with low_latency_mode=False", op)
 	case b.params.NumRDMABytes == 0:
 		return nil, Argf("%s: low-latency mode needs num_rdma_bytes > 0 (see Buffer.get_low_latency_rdma_size_hint)", op)
-	case b.ll == nil && b.topo.NumRDMARanks > 1:
-		// A device backend across nodes (sharesLowLatency): the peers of other nodes need NVSHMEM.
+	case b.ll != nil && b.ll.nvshmem && b.ll.unavailable != nil:
 		return nil, NotAvailablef("%s: low-latency mode across nodes (%d ranks, %d nodes of %d) on the %s backend needs "+
-			"NVSHMEM, which pyep does not have yet%s", op, b.topo.NumRanks, b.topo.NumRDMARanks, b.topo.NumNVLRanks,
-			b.backend.Name(), b.topo.nodesHint())
+			"NVSHMEM (%v)%s", op, b.topo.NumRanks, b.topo.NumRDMARanks, b.topo.NumNVLRanks, b.backend.Name(), b.ll.unavailable,
+			b.topo.nodesHint())
 	case b.ll == nil || b.ll.engine == nil && b.ll.device == nil:
 		return nil, fmt.Errorf("%s: low-latency mode is not available on the %s backend with %d ranks", op, b.backend.Name(), b.topo.NumRanks)
 	}

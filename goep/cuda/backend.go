@@ -61,6 +61,7 @@ type Backend struct {
 	busID   string
 	host    string
 	process string
+	nvshmem bool // BackendOptions.NVSHMEM
 
 	comm driver.Stream // pyep's communication stream
 
@@ -111,6 +112,10 @@ type BackendOptions struct {
 	// process through CUDA IPC); "": the pid. Tests that run several fake processes in one OS
 	// process set it.
 	Process string
+	// NVSHMEM lets the backend bootstrap NVSHMEM for a low-latency buffer across nodes
+	// (symmetric.go); SharedBackend, over the real driver, sets it. Without it (the fake
+	// driver's tests) such a buffer's calls raise NotAvailableError.
+	NVSHMEM bool
 }
 
 // DefaultTimeout is BackendOptions.Timeout's default, DeepEP's kernel timeout (about 100 s).
@@ -156,7 +161,7 @@ func NewBackend(drv driver.Driver, ordinal int, opts BackendOptions) (b *Backend
 	}
 	b = &Backend{
 		drv: drv, dev: dev, ctx: ctx, timeout: opts.Timeout, probe: opts.NVLink,
-		busID: bus, host: hostID(), process: opts.Process,
+		busID: bus, host: hostID(), process: opts.Process, nvshmem: opts.NVSHMEM,
 		links: map[[2]string]string{}, locals: map[*localRegion]bool{},
 		slots: map[string]int{}, checked: map[string]bool{},
 	}

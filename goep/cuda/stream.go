@@ -89,7 +89,7 @@ func SharedBackend(ordinal int) (*Backend, error) {
 	}
 	// The backend's own waits (a peer releasing a buffer, the device draining) share the kernels'
 	// bound, PYEP_TIMEOUT_S.
-	b, err := NewBackend(drv, ordinal, BackendOptions{Timeout: goep.OpTimeout()})
+	b, err := NewBackend(drv, ordinal, BackendOptions{Timeout: goep.OpTimeout(), NVSHMEM: true})
 	if err != nil {
 		return nil, err
 	}

@@ -53,8 +53,9 @@ func TestBufferEngines(t *testing.T) {
 	}
 }
 
-// Across nodes (PYEP_RANKS_PER_NODE) the cuda backend's low-latency mode needs NVSHMEM: every
-// call says so, before anything is queued.
+// Across nodes (PYEP_RANKS_PER_NODE) the cuda backend's low-latency mode runs over NVSHMEM, which
+// a backend over the fake driver does not bootstrap: the buffer syncs, and every call says why
+// it cannot run, before anything is queued.
 func TestLowLatencyAcrossNodesIsNotAvailable(t *testing.T) {
 	const R = 2
 	size, err := goep.LowLatencySizeHint(8, 256, R, 8)
@@ -65,7 +66,8 @@ func TestLowLatencyAcrossNodesIsNotAvailable(t *testing.T) {
 	require.Error(t, err)
 	assert.True(t, goep.IsNotAvailable(err))
 	assert.EqualError(t, err, "get_next_low_latency_combine_buffer: low-latency mode across nodes (2 ranks, 2 nodes of 1) "+
-		"on the cuda backend needs NVSHMEM, which pyep does not have yet; the 2 ranks are 2 nodes because "+
+		"on the cuda backend needs NVSHMEM (NVSHMEM is not available: this cuda backend was made without it "+
+		"(BackendOptions.NVSHMEM, which tests over the fake driver leave off)); the 2 ranks are 2 nodes because "+
 		"PYEP_RANKS_PER_NODE = 1: unset it to run them as one node")
 	_, err = bufs[1].LowLatencyDispatch(&goep.LLDispatchArgs{MaxTokens: 8, Hidden: 256, NumExperts: 8, NumTopk: 1})
 	assert.True(t, goep.IsNotAvailable(err), "%v", err)

@@ -157,7 +157,11 @@ func NewEngine(env goep.EngineEnv, regions []unsafe.Pointer, numBytes int64, tok
 	if err != nil {
 		return nil, err
 	}
-	e, err := New(b, env.Topo.Rank, regions, numBytes, b.RanksOnDevice(tokens), nil)
+	var reach *Reach
+	if env.Remote != nil {
+		reach = &Reach{Remote: env.Remote}
+	}
+	e, err := New(b, env.Topo.Rank, regions, numBytes, b.RanksOnDevice(tokens), reach)
 	if err != nil {
 		return nil, err
 	}

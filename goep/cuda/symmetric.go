@@ -1,0 +1,236 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+	"unsafe"
+
+	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda/driver"
+	"github.com/pyep/pyep/goep/env"
+	"github.com/pyep/pyep/goep/nvshmem"
+)
+
+// Low-latency mode across nodes: the buffer's region lives in NVSHMEM's symmetric heap, so that
+// a peer on another node is reached by a put to the same offset (kernels/remote.cuh), and a
+// peer that NVSHMEM maps (same node, P2P) by its pointer (nvshmem_ptr). NVSHMEM is one per
+// process: one such buffer at a time.
+
+// SymmetricSizeEnv is NVSHMEM's heap size variable, which NVSHMEM reads at init.
+const SymmetricSizeEnv = "NVSHMEM_SYMMETRIC_SIZE"
+
+// heapSlack is what the heap holds beyond the buffer's region: NVSHMEM's own symmetric objects
+// (team and collective state).
+const heapSlack = 128 << 20
+
+// heapPage is the granularity NVSHMEM maps its heap in.
+const heapPage = 2 << 20
+
+// SymmetricHeapBytes is the heap a region of numBytes needs: the region, NVSHMEM's own objects,
+// in whole 2 MiB pages.
+func SymmetricHeapBytes(numBytes int64) int64 {
+	return (numBytes + heapSlack + heapPage - 1) / heapPage * heapPage
+}
+
+// HeapSetting decides NVSHMEM_SYMMETRIC_SIZE for a region of numBytes, given the user's value
+// (""): the value to set ("" to keep the user's), or an error naming what to change.
+func HeapSetting(user string, numBytes int64) (string, error) {
+	if user == "" {
+		return strconv.FormatInt(SymmetricHeapBytes(numBytes), 10), nil
+	}
+	n, err := parseSize(user)
+	if err != nil {
+		return "", goep.Argf("%s = %q: %v", SymmetricSizeEnv, user, err)
+	}
+	if n < numBytes+heapSlack/4 {
+		return "", goep.Argf("%s = %s (%d bytes) cannot hold num_rdma_bytes = %d and NVSHMEM's own objects: set it to at "+
+			"least %d, or unset it (pyep then asks for %d)", SymmetricSizeEnv, user, n, numBytes, numBytes+heapSlack/4,
+			SymmetricHeapBytes(numBytes))
+	}
+	return "", nil
+}
+
+// parseSize reads NVSHMEM's size syntax: bytes, or a number with a K, M, G or T suffix.
+func parseSize(s string) (int64, error) {
+	t := strings.ToUpper(strings.TrimSpace(s))
+	mult := int64(1)
+	if t != "" {
+		if i := strings.IndexByte("KMGT", t[len(t)-1]); i >= 0 {
+			mult, t = int64(1)<<(10*(i+1)), strings.TrimSuffix(t[:len(t)-1], "I")
+		}
+	}
+	n, err := strconv.ParseInt(t, 10, 64)
+	if err != nil || n <= 0 {
+		return 0, errors.New("expected a positive size in bytes, or with a K, M, G or T suffix")
+	}
+	return n * mult, nil
+}
+
+// notAvailable is the error of a buffer that needs NVSHMEM where it cannot run.
+func notAvailable(why error) error {
+	return goep.NotAvailablef("NVSHMEM is not available: %v", why)
+}
+
+// library is the NVSHMEM this backend may bootstrap, or a NotAvailableError.
+func (b *Backend) library() (*nvshmem.Library, error) {
+	if !b.nvshmem {
+		return nil, notAvailable(errors.New("this cuda backend was made without it (BackendOptions.NVSHMEM, which tests over the fake driver leave off)"))
+	}
+	lib, err := nvshmem.Open()
+	if err != nil {
+		return nil, notAvailable(err)
+	}
+	if _, _, err := lib.Install.DeviceLink(); err != nil {
+		return nil, notAvailable(err)
+	}
+	return lib, nil
+}
+
+// NVSHMEMUniqueID implements goep.SymmetricBackend: nvshmemx_get_uniqueid, for the root rank.
+func (b *Backend) NVSHMEMUniqueID() ([]byte, error) {
+	lib, err := b.library()
+	if err != nil {
+		return nil, err
+	}
+	id, err := lib.GetUniqueID()
+	if err != nil {
+		return nil, err
+	}
+	return id[:], nil
+}
+
+// OpenSymmetric implements goep.SymmetricBackend: it joins NVSHMEM's group as PE rank of
+// numRanks from root (the root rank's NVSHMEMUniqueID), with a heap that holds numBytes
+// (HeapSetting), and allocates the region there, zeroed on every PE before it returns
+// (collective: every rank of the group calls it at sync).
+func (b *Backend) OpenSymmetric(root []byte, rank, numRanks int, numBytes int64) (goep.SymmetricRegion, error) {
+	lib, err := b.library()
+	if err != nil {
+		return nil, err
+	}
+	var id nvshmem.UniqueID
+	if len(root) != len(id) {
+		return nil, goep.Argf("root_unique_id has %d bytes: expected NVSHMEM's %d", len(root), len(id))
+	}
+	copy(id[:], root)
+	if err := id.Check(); err != nil {
+		return nil, goep.Argf("root_unique_id is not rank 0's get_local_nvshmem_unique_id() of a cuda buffer across nodes: %v", err)
+	}
+	if lib.Initialized() {
+		return nil, errors.New("pyep: NVSHMEM is already initialised in this process by another buffer across nodes: " +
+			"destroy that buffer first (NVSHMEM is one group per process)")
+	}
+	set, err := HeapSetting(env.Get(SymmetricSizeEnv), numBytes)
+	if err != nil {
+		return nil, err
+	}
+	if set != "" {
+		// NVSHMEM reads it at init (os.Setenv reaches the C environment in a cgo build).
+		if err := os.Setenv(SymmetricSizeEnv, set); err != nil {
+			return nil, err
+		}
+	}
+	if err := b.initNVSHMEM(lib, nvshmem.Group{ID: id, Rank: rank, Ranks: numRanks, Device: b.DeviceID()}); err != nil {
+		return nil, err
+	}
+	r, err := b.allocSymmetric(lib, numBytes)
+	if err != nil {
+		_ = lib.Finalize()
+		return nil, fmt.Errorf("pyep: NVSHMEM's symmetric heap: a region of num_rdma_bytes = %d: %w", numBytes, err)
+	}
+	return r, nil
+}
+
+// initNVSHMEM runs NVSHMEM's collective init, bounded by the backend's timeout: NVSHMEM's
+// bootstrap has no bound of its own when rank 0 (the unique id's root) or a peer never comes.
+func (b *Backend) initNVSHMEM(lib *nvshmem.Library, g nvshmem.Group) error {
+	done := make(chan error, 1)
+	go func() {
+		exit, err := b.Enter()
+		defer exit()
+		if err == nil {
+			err = lib.Init(g)
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("pyep: NVSHMEM bootstrap as PE %d of %d: %w", g.Rank, g.Ranks, err)
+		}
+		return nil
+	case <-time.After(b.timeout):
+		return fmt.Errorf("pyep: NVSHMEM bootstrap as PE %d of %d did not finish within %v: rank 0 (whose unique id the group "+
+			"joins) or another rank did not reach sync, or cannot be reached (NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME names the "+
+			"interface; NVSHMEM_DEBUG=INFO says more); this process's NVSHMEM is left unusable", g.Rank, g.Ranks, b.timeout)
+	}
+}
+
+// allocSymmetric allocates and zeroes the region on every PE (the barrier: no peer writes into
+// a region before its owner zeroed it).
+func (b *Backend) allocSymmetric(lib *nvshmem.Library, numBytes int64) (*symmetricRegion, error) {
+	exit, err := b.Enter()
+	defer exit()
+	if err != nil {
+		return nil, err
+	}
+	p, err := lib.Malloc(int(numBytes))
+	if err != nil {
+		return nil, err
+	}
+	r := &symmetricRegion{b: b, lib: lib, base: driver.DevicePtr(p)}
+	if err := b.drv.MemsetD8(r.base, 0, int(numBytes)); err != nil {
+		return nil, errors.Join(err, lib.Free(p))
+	}
+	if err := b.drv.CtxSynchronize(); err != nil {
+		return nil, errors.Join(err, lib.Free(p))
+	}
+	if err := lib.BarrierAll(); err != nil {
+		return nil, errors.Join(err, lib.Free(p))
+	}
+	return r, nil
+}
+
+// symmetricRegion is a buffer's low-latency region in NVSHMEM's symmetric heap.
+type symmetricRegion struct {
+	b      *Backend
+	lib    *nvshmem.Library
+	base   driver.DevicePtr
+	closed bool
+}
+
+func (r *symmetricRegion) Data() unsafe.Pointer { return devicePointer(r.base) }
+
+// Peer is PE p's region as NVSHMEM maps it here (nvshmem_ptr), nil where only puts reach it.
+func (r *symmetricRegion) Peer(p int) unsafe.Pointer {
+	ptr, err := r.lib.Ptr(uintptr(r.base), p)
+	if err != nil || ptr == 0 {
+		return nil
+	}
+	return devicePointer(driver.DevicePtr(ptr))
+}
+
+// Close tears NVSHMEM down once the GPU is idle: the kernels linked with it (module finalize),
+// the region (nvshmem_free), then NVSHMEM itself. Collective, like NVSHMEM's free and finalize:
+// every rank destroys its buffer.
+func (r *symmetricRegion) Close() error {
+	if r.closed {
+		return nil
+	}
+	r.closed = true
+	b := r.b
+	if err := b.SyncDevice(b.timeout); err != nil {
+		return fmt.Errorf("pyep: cuda: releasing the NVSHMEM region: %w; NVSHMEM is left initialised", err)
+	}
+	exit, err := b.Enter()
+	defer exit()
+	if err != nil {
+		return err
+	}
+	errs := []error{b.DropRemoteKernels(), r.lib.Free(uintptr(r.base)), r.lib.Finalize()}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,136 @@
+package goep
+
+import (
+	"bytes"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"unsafe"
+)
+
+// Low-latency mode across nodes on a device backend (DeepEP's design): the region lives in
+// NVSHMEM's symmetric heap, which sync sets up from the root unique id it already exchanges,
+// sized for num_rdma_bytes. A peer that NVSHMEM maps here (same node, P2P) is written through its
+// pointer, as within one node; any other (another node, or every peer with
+// allow_nvlink_for_low_latency_mode=False) through NVSHMEM's puts and signals, the remote path of
+// the kernels (kernels/remote.cuh). Destroy tears it down: free, the NVSHMEM-linked kernels,
+// finalize. Without NVSHMEM the buffer still syncs, and its low-latency calls raise
+// NotAvailableError saying why.
+
+// SymmetricBackend is a device backend that runs low-latency mode across nodes over NVSHMEM.
+type SymmetricBackend interface {
+	// NVSHMEMUniqueID is a fresh NVSHMEM unique id (nvshmemx_get_uniqueid), for the root rank.
+	NVSHMEMUniqueID() ([]byte, error)
+	// OpenSymmetric joins the group of root's unique id as PE rank of numRanks and allocates a
+	// zeroed region of numBytes in the symmetric heap; collective. A NotAvailableError says that
+	// NVSHMEM cannot run here.
+	OpenSymmetric(root []byte, rank, numRanks int, numBytes int64) (SymmetricRegion, error)
+}
+
+// SymmetricRegion is a low-latency region in the symmetric heap.
+type SymmetricRegion interface {
+	RDMARegion
+	// Peer is PE p's region as mapped here (nvshmem_ptr), nil where only puts reach it.
+	Peer(p int) unsafe.Pointer
+}
+
+// usesNVSHMEM: a device buffer in low-latency mode whose peers are not all reached by pointers
+// in one node: its region is allocated at sync, in NVSHMEM's symmetric heap.
+func (b *Buffer) usesNVSHMEM() bool {
+	p := b.params
+	return p.LowLatencyMode && p.NumRDMABytes > 0 && b.backend.DeviceID() >= 0 &&
+		(b.topo.NumRDMARanks > 1 || p.NoNVLinkForLowLatency)
+}
+
+// nvshmemUniqueID is the root rank's unique id: NVSHMEM's where the buffer needs it and the
+// backend has it, else random bytes (a buffer that does not run NVSHMEM only checks the size).
+func (b *Buffer) nvshmemUniqueID() ([]byte, error) {
+	if sb, ok := b.backend.(SymmetricBackend); ok && b.usesNVSHMEM() {
+		id, err := sb.NVSHMEMUniqueID()
+		if !IsNotAvailable(err) {
+			return id, err
+		}
+		// No NVSHMEM here: sync says so again, and the calls raise it.
+	}
+	id := make([]byte, UniqueIDBytes)
+	if _, err := rand.Read(id); err != nil {
+		return nil, err
+	}
+	return id, nil
+}
+
+// openSymmetric is openLowLatency for a buffer that uses NVSHMEM: it bootstraps NVSHMEM from
+// root, allocates the region, and makes the engine over the peers NVSHMEM maps and the rest
+// reached by puts. NVSHMEM missing is no error here: ll.unavailable keeps it for the calls.
+func (b *Buffer) openSymmetric(handles [][]byte, root []byte) error {
+	ll, t := b.ll, b.topo
+	sb, ok := b.backend.(SymmetricBackend)
+	if !ok {
+		ll.unavailable = NotAvailablef("the %s backend has no NVSHMEM", b.backend.Name())
+		return nil
+	}
+	maker := b.lowLatencyMaker()
+	if maker == nil {
+		return nil // no device engine: the calls say the mode is not available
+	}
+	region, err := sb.OpenSymmetric(root, t.Rank, t.NumRanks, b.params.NumRDMABytes)
+	if IsNotAvailable(err) {
+		ll.unavailable = err
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	remote := b.remotePeers()
+	if remote == nil {
+		remote = make([]bool, t.NumRanks)
+	}
+	regions, remote := symmetricPeers(t.Rank, region, remote)
+	env := EngineEnv{Backend: b.backend, Topo: t, NumNVLBytes: b.params.NumNVLBytes, Remote: remote}
+	d, err := maker(env, regions, b.params.NumRDMABytes, b.nvlTokens(handles))
+	if err != nil {
+		return fmt.Errorf("low-latency engine over NVSHMEM: %w", errors.Join(err, region.Close()))
+	}
+	d.SetTimeout(ll.timeout)
+	ll.device, b.rdma = d, region
+	return nil
+}
+
+// nvlTokens are the ranks' NVLink-buffer tokens from handles, where they have one, which tell
+// the engine the ranks that share this GPU (nil entries otherwise).
+func (b *Buffer) nvlTokens(handles [][]byte) [][]byte {
+	tokens := make([][]byte, b.topo.NumRanks)
+	for r, raw := range handles {
+		if r >= len(tokens) || raw == nil {
+			continue
+		}
+		if r == b.topo.Rank && b.local != nil && bytes.Equal(raw, b.localHandle()) {
+			tokens[r] = b.local.Token()
+		} else if h, err := DecodeHandle(raw); err == nil && h.Rank == r {
+			tokens[r] = h.Token
+		}
+	}
+	return tokens
+}
+
+// symmetricPeers is the engine's view of every rank: this rank's region, a peer's as NVSHMEM maps
+// it where it is not remote, and the remote flags (remote where the topology says, or where
+// NVSHMEM maps nothing).
+func symmetricPeers(rank int, region SymmetricRegion, remote []bool) ([]unsafe.Pointer, []bool) {
+	n := len(remote)
+	regions := make([]unsafe.Pointer, n)
+	flags := make([]bool, n)
+	for p := range n {
+		switch {
+		case p == rank:
+			regions[p] = region.Data()
+		case remote[p]:
+			flags[p] = true
+		default:
+			if regions[p] = region.Peer(p); regions[p] == nil {
+				flags[p] = true
+			}
+		}
+	}
+	return regions, flags
+}
