@@ -2,8 +2,9 @@
 
 The ranks' low-latency buffers (num_rdma_bytes) are shared: on the cpu backend the Go core (goep/lowlatency) moves the
 tokens through them, across nodes too (PYEP_RANKS_PER_NODE emulates them; a peer on another node is written only
-through a put-then-signal path, the contract NVSHMEM will keep on GPUs); on the cuda backend, within one node, the
-kernels of kernels/low_latency.cu do, queued on the current stream (CUDA-graph safe). docs/low-latency.md is the
+through a put-then-signal path, the contract NVSHMEM keeps on GPUs); on the cuda backend the kernels of
+kernels/low_latency.cu do, queued on the current stream (CUDA-graph safe), across nodes through NVSHMEM (sync bootstraps
+it; without it the calls raise NotAvailableError saying why). docs/low-latency.md is the
 synchronization contract. This layer checks the tensors (dtype, shape, contiguity, device) with DeepEP's rules,
 allocates the outputs and passes data addresses to the core."""
 import os
@@ -16,7 +17,6 @@ import torch.distributed as dist
 
 from . import _core
 from ._core import not_available
-from ._internode import nodes_hint
 from .utils import EventHandle, EventOverlap
 
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -80,11 +80,6 @@ class LowLatencyMixin:
         """The core's id of a buffer whose low-latency calls can run, or the error that says why not."""
         if not self.low_latency_mode:
             raise ValueError(f"Buffer.{method}: the buffer was made with low_latency_mode=False")
-        if self._cuda and self.runtime.get_num_rdma_ranks() > 1:
-            rt = self.runtime
-            raise not_available(method, f"low-latency mode across nodes on the cuda backend ({rt.num_ranks} ranks, "
-                                f"{rt.get_num_rdma_ranks()} nodes of {rt._num_nvl_ranks}; it needs NVSHMEM)",
-                                nodes_hint(rt))
         if not getattr(self, "_ll_timeout_read", False):
             # The Go core's environment is the process's at start: PYEP_TIMEOUT_S is read here, at the first call.
             self._ll_timeout_read = True
