@@ -156,22 +156,41 @@ func (c *Cache) loadLinked(src Source, opts LinkOptions, p *linkPlan) ([]byte, e
 // which NVSHMEM's device headers include, found beside its library in the layouts of a CUDA
 // toolkit (lib64/../include, CCCL in include/cccl from CUDA 13 on) and of NVIDIA's wheels
 // (nvidia/cu13/lib/../include; CUDA 12's nvidia/cuda_nvrtc/lib beside nvidia/cuda_runtime and
-// nvidia/cuda_cccl).
+// nvidia/cuda_cccl). What is not found there comes from a CUDA toolkit, $CUDA_HOME then
+// /usr/local/cuda: PyTorch's nvidia/cu13 wheel ships cuda_runtime.h but no CCCL.
 func (n *NVRTC) IncludeDirs() []string {
 	if n == nil {
 		return nil
 	}
-	lib := filepath.Dir(n.Path)
+	var toolkits []string
+	if home := os.Getenv("CUDA_HOME"); home != "" {
+		toolkits = append(toolkits, home)
+	}
+	return includeDirs(filepath.Dir(n.Path), append(toolkits, "/usr/local/cuda"))
+}
+
+// includeDirs is IncludeDirs for an NVRTC library in lib, with toolkits as the fallback roots.
+func includeDirs(lib string, toolkits []string) []string {
 	var out []string
+	runtime, cccl := false, false
+	add := func(d string) {
+		hasRuntime, hasCCCL := isFile(filepath.Join(d, "cuda_runtime.h")), isDir(filepath.Join(d, "cuda", "std"))
+		if (hasRuntime && !runtime) || (hasCCCL && !cccl) {
+			out = append(out, filepath.Clean(d))
+			runtime, cccl = runtime || hasRuntime, cccl || hasCCCL
+		}
+	}
 	for _, d := range []string{
 		filepath.Join(lib, "..", "include"),
 		filepath.Join(lib, "..", "include", "cccl"),
 		filepath.Join(lib, "..", "..", "cuda_runtime", "include"),
 		filepath.Join(lib, "..", "..", "cuda_cccl", "include"),
 	} {
-		if isFile(filepath.Join(d, "cuda_runtime.h")) || isDir(filepath.Join(d, "cuda", "std")) {
-			out = append(out, filepath.Clean(d))
-		}
+		add(d)
+	}
+	for _, root := range toolkits {
+		add(filepath.Join(root, "include"))
+		add(filepath.Join(root, "include", "cccl"))
 	}
 	return out
 }

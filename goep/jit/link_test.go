@@ -98,7 +98,13 @@ func TestNVRTCIncludeDirs(t *testing.T) {
 		(&NVRTC{Path: filepath.Join(root, "cu13/lib/libnvrtc.so.13")}).IncludeDirs())
 	assert.Equal(t, []string{filepath.Join(root, "nvidia/cuda_runtime/include"), filepath.Join(root, "nvidia/cuda_cccl/include")},
 		(&NVRTC{Path: filepath.Join(root, "nvidia/cuda_nvrtc/lib/libnvrtc.so.12")}).IncludeDirs())
-	assert.Empty(t, (&NVRTC{Path: filepath.Join(root, "elsewhere/libnvrtc.so")}).IncludeDirs())
+	assert.Empty(t, includeDirs(filepath.Join(root, "elsewhere"), nil))
+	// PyTorch's nvidia/cu13 wheel without CCCL: cuda/std from the toolkit, cuda_runtime.h still the wheel's.
+	mk("torch/cu13/include/cuda_runtime.h")
+	mk("toolkit/include/cuda_runtime.h")
+	mk("toolkit/include/cccl/cuda/std/type_traits")
+	assert.Equal(t, []string{filepath.Join(root, "torch/cu13/include"), filepath.Join(root, "toolkit/include/cccl")},
+		includeDirs(filepath.Join(root, "torch/cu13/lib"), []string{filepath.Join(root, "none"), filepath.Join(root, "toolkit")}))
 }
 
 // The probe kernel compiles to LTO-IR and links with libnvshmem_device.a into a cubin for
