@@ -133,22 +133,15 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple
         else:
             lls.append(ll)
     # --ll-nodes: pyep's low-latency rows again on a Buffer of emulated nodes each (PYEP_RANKS_PER_NODE=k around its
-    # construction only). On the cuda backend the Buffer is made, and each case's first call raises NotAvailableError
-    # (across nodes needs NVSHMEM): the case's error rows say so.
+    # construction only). They are made later, one at a time (on cuda each is an NVSHMEM group, one a process).
     pyep_impl = next((i for i in impls if i.name == "pyep" and isinstance(i, EPRunner)), None)
     for k, why in plan.ll_nodes_skipped.items():
         skipped[f"pyep low-latency ranks_per_node={k}"] = why
     for k in plan.ll_nodes if plan.ll_cases else []:
         if pyep_impl is None:
             skipped[f"pyep low-latency ranks_per_node={k}"] = "pyep did not run"
-            continue
-        ll = pyep_impl.low_latency(ranks_per_node=k)
-        why = _agreed_try(group, lambda: ll.open(plan.ll_cases))
-        if why:
-            skipped[ll.label] = why
-            ll.close()
         else:
-            lls.append(ll)
+            lls.append(pyep_impl.low_latency(ranks_per_node=k))
     return impls, lls, skipped, deepep_info
 
 
@@ -240,7 +233,7 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
         os.makedirs(out_dir, exist_ok=True)
     table = Table()
     lines: List[str] = []
-    progress = Progress(len(plan.cases) + len(plan.ll_cases), show)
+    progress = Progress(len(plan.cases) + len(plan.ll_cases) * (1 + len(plan.ll_nodes)), show)
 
     def emit(line: str) -> None:
         lines.append(line)
@@ -312,9 +305,14 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
                 records += _measure(impl, case, todo, data, plan, timer, group, where)
         gather(records)
 
-    # Low-latency mode: each implementation's own Buffer (made in _make_impls), after the normal-mode cases.
+    # Low-latency mode: each implementation's own Buffer (made in _make_impls), after the normal-mode cases; then
+    # pyep's emulated-node runners, each Buffer made, measured over every case and destroyed before the next (on cuda
+    # a Buffer across nodes is an NVSHMEM group, one a process; the one-node Buffers, DeepEP's NVSHMEM among them,
+    # are destroyed first).
     ll_ops = [op for op in plan.ops if op in LL_OPS]
-    if lead and plan.ll_cases and lls:
+    nodes = [ll for ll in lls if ll.ranks_per_node]
+    lls = [ll for ll in lls if not ll.ranks_per_node]
+    if lead and plan.ll_cases and (lls or nodes):
         emit(table.ll_header())
     for case in plan.ll_cases:
         inputs(case)
@@ -322,10 +320,22 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
         for ll in lls:
             records += _measure(ll, case, ll_ops, data, plan, timer, group, where)
         gather(records)
-    progress.close()
-    elapsed = time.perf_counter() - t_start
     for ll in lls:
         ll.close()
+    for ll in nodes:
+        why = _agreed_try(group, lambda: ll.open(plan.ll_cases))
+        if why:
+            skipped[ll.label] = why
+            ll.close()
+            if lead:
+                emit(f"skipped {ll.label}: {why}")
+            continue
+        for case in plan.ll_cases:
+            inputs(case)
+            gather(_measure(ll, case, ll_ops, data, plan, timer, group, where))
+        ll.close()
+    progress.close()
+    elapsed = time.perf_counter() - t_start
     for impl in impls:
         impl.close()
     data.clear()
