@@ -13,17 +13,17 @@ import (
 // sized for num_rdma_bytes. A peer that NVSHMEM maps here (same node, P2P) is written through its
 // pointer, as within one node; any other (another node, or every peer with
 // allow_nvlink_for_low_latency_mode=False) through NVSHMEM's puts and signals, the remote path of
-// the kernels (kernels/remote.cuh). Destroy tears it down: free, the NVSHMEM-linked kernels,
-// finalize. Without NVSHMEM the buffer still syncs, and its low-latency calls raise
-// NotAvailableError saying why.
+// the kernels (kernels/remote.cuh). Destroy frees the region; NVSHMEM's group stays for the
+// process's next such buffer (a process joins one group once: goep/cuda's symmetric.go). Without
+// NVSHMEM the buffer still syncs, and its low-latency calls raise NotAvailableError saying why.
 
 // SymmetricBackend is a device backend that runs low-latency mode across nodes over NVSHMEM.
 type SymmetricBackend interface {
 	// NVSHMEMUniqueID is a fresh NVSHMEM unique id (nvshmemx_get_uniqueid), for the root rank.
 	NVSHMEMUniqueID() ([]byte, error)
-	// OpenSymmetric joins the group of root's unique id as PE rank of numRanks and allocates a
-	// zeroed region of numBytes in the symmetric heap; collective. A NotAvailableError says that
-	// NVSHMEM cannot run here.
+	// OpenSymmetric joins the group of root's unique id as PE rank of numRanks (unless this
+	// process is in it already) and allocates a zeroed region of numBytes in the symmetric heap;
+	// collective. A NotAvailableError says that NVSHMEM cannot run here.
 	OpenSymmetric(root []byte, rank, numRanks int, numBytes int64) (SymmetricRegion, error)
 }
 

@@ -1,7 +1,6 @@
 package cuda
 
 import (
-	"errors"
 	"fmt"
 	"sync"
 
@@ -64,9 +63,6 @@ type kernelCache struct {
 	arch    string
 	kernels map[KernelKey]driver.Function
 	sources map[string]jit.Source
-	// linked are the modules registered with NVSHMEM (RemoteDefine builds), by the keys of
-	// their kernels: NVSHMEM's finalize invalidates them (DropRemoteKernels).
-	linked map[KernelKey]driver.Module
 }
 
 // RemoteDefine is the define of a low-latency kernel that reaches peers on other nodes through
@@ -256,35 +252,6 @@ func (k *kernelCache) linkedKernel(b *Backend, key KernelKey, file, name string,
 		_ = b.drv.ModuleUnload(mod)
 		return driver.Function{}, err
 	}
-	if k.linked == nil {
-		k.linked = map[KernelKey]driver.Module{}
-	}
-	k.linked[key] = mod
 	return mod.Function(name)
 }
 
-// DropRemoteKernels forgets the kernels linked with NVSHMEM and unloads their modules, after
-// nvshmemx_cumodule_finalize: before NVSHMEM finalizes, with the device idle. The context must
-// be current (Enter).
-func (b *Backend) DropRemoteKernels() error {
-	k := &b.kernels
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if len(k.linked) == 0 {
-		return nil
-	}
-	lib, err := nvshmem.Open()
-	if err != nil {
-		return err
-	}
-	var errs []error
-	for key, mod := range k.linked {
-		if lib.Initialized() {
-			errs = append(errs, lib.ModuleFinalize(mod.Raw()))
-		}
-		errs = append(errs, b.drv.ModuleUnload(mod))
-		delete(k.kernels, key)
-		delete(k.linked, key)
-	}
-	return errors.Join(errs...)
-}

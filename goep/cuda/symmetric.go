@@ -6,6 +6,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unsafe"
 
@@ -17,8 +18,22 @@ import (
 
 // Low-latency mode across nodes: the buffer's region lives in NVSHMEM's symmetric heap, so that
 // a peer on another node is reached by a put to the same offset (kernels/remote.cuh), and a
-// peer that NVSHMEM maps (same node, P2P) by its pointer (nvshmem_ptr). NVSHMEM is one per
-// process: one such buffer at a time.
+// peer that NVSHMEM maps (same node, P2P) by its pointer (nvshmem_ptr).
+//
+// NVSHMEM is one group per process, and it cannot be initialised twice (a second init, even after
+// finalize, is undefined): the first buffer across nodes joins the group from its root unique id,
+// and the group stays until the process exits. Later buffers, of the same ranks, allocate their
+// regions in it (their root id is not needed); each buffer's destroy frees its region only. The
+// heap is sized when the group is made, from the first buffer's num_rdma_bytes or
+// NVSHMEM_SYMMETRIC_SIZE.
+
+// group is this process's NVSHMEM group as pyep made it: the heap size it was made with, and
+// the error of a bootstrap that never finished (NVSHMEM is then unusable in this process).
+var group struct {
+	sync.Mutex
+	heap  string
+	stuck error
+}
 
 // SymmetricSizeEnv is NVSHMEM's heap size variable, which NVSHMEM reads at init.
 const SymmetricSizeEnv = "NVSHMEM_SYMMETRIC_SIZE"
@@ -103,10 +118,11 @@ func (b *Backend) NVSHMEMUniqueID() ([]byte, error) {
 	return id[:], nil
 }
 
-// OpenSymmetric implements goep.SymmetricBackend: it joins NVSHMEM's group as PE rank of
-// numRanks from root (the root rank's NVSHMEMUniqueID), with a heap that holds numBytes
-// (HeapSetting), and allocates the region there, zeroed on every PE before it returns
-// (collective: every rank of the group calls it at sync).
+// OpenSymmetric implements goep.SymmetricBackend: unless this process is in NVSHMEM's group
+// already (as rank of numRanks: see group), it joins it as PE rank of numRanks from root (the
+// root rank's NVSHMEMUniqueID), with a heap that holds numBytes (HeapSetting); then it allocates
+// the region there, zeroed on every PE before it returns (collective: every rank of the group
+// calls it at sync).
 func (b *Backend) OpenSymmetric(root []byte, rank, numRanks int, numBytes int64) (goep.SymmetricRegion, error) {
 	lib, err := b.library()
 	if err != nil {
@@ -120,29 +136,66 @@ func (b *Backend) OpenSymmetric(root []byte, rank, numRanks int, numBytes int64)
 	if err := id.Check(); err != nil {
 		return nil, goep.Argf("root_unique_id is not rank 0's get_local_nvshmem_unique_id() of a cuda buffer across nodes: %v", err)
 	}
+	group.Lock()
+	defer group.Unlock()
+	if group.stuck != nil {
+		return nil, group.stuck
+	}
 	if lib.Initialized() {
-		return nil, errors.New("pyep: NVSHMEM is already initialised in this process by another buffer across nodes: " +
-			"destroy that buffer first (NVSHMEM is one group per process)")
-	}
-	set, err := HeapSetting(env.Get(SymmetricSizeEnv), numBytes)
-	if err != nil {
-		return nil, err
-	}
-	if set != "" {
-		// NVSHMEM reads it at init (os.Setenv reaches the C environment in a cgo build).
-		if err := os.Setenv(SymmetricSizeEnv, set); err != nil {
+		if err := sameGroup(lib, rank, numRanks); err != nil {
 			return nil, err
 		}
-	}
-	if err := b.initNVSHMEM(lib, nvshmem.Group{ID: id, Rank: rank, Ranks: numRanks, Device: b.DeviceID()}); err != nil {
+	} else if err := b.joinGroup(lib, nvshmem.Group{ID: id, Rank: rank, Ranks: numRanks, Device: b.DeviceID()}, numBytes); err != nil {
 		return nil, err
 	}
 	r, err := b.allocSymmetric(lib, numBytes)
 	if err != nil {
-		_ = lib.Finalize()
-		return nil, fmt.Errorf("pyep: NVSHMEM's symmetric heap: a region of num_rdma_bytes = %d: %w", numBytes, err)
+		return nil, fmt.Errorf("pyep: NVSHMEM's symmetric heap (%s = %s when this process joined NVSHMEM, %d bytes held "+
+			"by other buffers): a region of num_rdma_bytes = %d: %w; the heap cannot grow: set %s to at least %d before "+
+			"the process's first buffer across nodes", SymmetricSizeEnv, group.heap, lib.HeapBytes(), numBytes, err,
+			SymmetricSizeEnv, SymmetricHeapBytes(int64(lib.HeapBytes())+numBytes))
 	}
 	return r, nil
+}
+
+// joinGroup makes this process's NVSHMEM group with a heap for a first region of numBytes.
+func (b *Backend) joinGroup(lib *nvshmem.Library, g nvshmem.Group, numBytes int64) error {
+	set, err := HeapSetting(env.Get(SymmetricSizeEnv), numBytes)
+	if err != nil {
+		return err
+	}
+	if set != "" {
+		// NVSHMEM reads it at init (os.Setenv reaches the C environment in a cgo build).
+		if err := os.Setenv(SymmetricSizeEnv, set); err != nil {
+			return err
+		}
+	}
+	group.heap = os.Getenv(SymmetricSizeEnv)
+	return b.initNVSHMEM(lib, g)
+}
+
+// sameGroup checks that a buffer of numRanks ranks, this one rank, fits the group this process
+// joined for an earlier buffer.
+func sameGroup(lib *nvshmem.Library, rank, numRanks int) error {
+	pe, err := lib.MyPE()
+	if err != nil {
+		return err
+	}
+	n, err := lib.NPEs()
+	if err != nil {
+		return err
+	}
+	return groupFits(pe, n, rank, numRanks)
+}
+
+// groupFits: this process is PE pe of n; a new buffer wants it as rank of numRanks.
+func groupFits(pe, n, rank, numRanks int) error {
+	if pe != rank || n != numRanks {
+		return fmt.Errorf("pyep: this process is PE %d of %d in the NVSHMEM group an earlier buffer across nodes made, and "+
+			"NVSHMEM is one group per process for the process's life: a buffer across nodes here must be rank %d of %d "+
+			"ranks, not rank %d of %d", pe, n, pe, n, rank, numRanks)
+	}
+	return nil
 }
 
 // initNVSHMEM runs NVSHMEM's collective init, bounded by the backend's timeout: NVSHMEM's
@@ -164,9 +217,10 @@ func (b *Backend) initNVSHMEM(lib *nvshmem.Library, g nvshmem.Group) error {
 		}
 		return nil
 	case <-time.After(b.timeout):
-		return fmt.Errorf("pyep: NVSHMEM bootstrap as PE %d of %d did not finish within %v: rank 0 (whose unique id the group "+
+		group.stuck = fmt.Errorf("pyep: NVSHMEM bootstrap as PE %d of %d did not finish within %v: rank 0 (whose unique id the group "+
 			"joins) or another rank did not reach sync, or cannot be reached (NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME names the "+
 			"interface; NVSHMEM_DEBUG=INFO says more); this process's NVSHMEM is left unusable", g.Rank, g.Ranks, b.timeout)
+		return group.stuck
 	}
 }
 
@@ -214,9 +268,9 @@ func (r *symmetricRegion) Peer(p int) unsafe.Pointer {
 	return devicePointer(driver.DevicePtr(ptr))
 }
 
-// Close tears NVSHMEM down once the GPU is idle: the kernels linked with it (module finalize),
-// the region (nvshmem_free), then NVSHMEM itself. Collective, like NVSHMEM's free and finalize:
-// every rank destroys its buffer.
+// Close frees the region once the GPU is idle (nvshmem_free: collective, every rank destroys its
+// buffer). NVSHMEM itself, and the kernels registered with it, stay for the process's next buffer
+// across nodes (see group).
 func (r *symmetricRegion) Close() error {
 	if r.closed {
 		return nil
@@ -224,13 +278,12 @@ func (r *symmetricRegion) Close() error {
 	r.closed = true
 	b := r.b
 	if err := b.SyncDevice(b.timeout); err != nil {
-		return fmt.Errorf("pyep: cuda: releasing the NVSHMEM region: %w; NVSHMEM is left initialised", err)
+		return fmt.Errorf("pyep: cuda: releasing the NVSHMEM region: %w; the region stays allocated", err)
 	}
 	exit, err := b.Enter()
 	defer exit()
 	if err != nil {
 		return err
 	}
-	errs := []error{b.DropRemoteKernels(), r.lib.Free(uintptr(r.base)), r.lib.Finalize()}
-	return errors.Join(errs...)
+	return r.lib.Free(uintptr(r.base))
 }
