@@ -254,4 +254,3 @@ func (k *kernelCache) linkedKernel(b *Backend, key KernelKey, file, name string,
 	}
 	return mod.Function(name)
 }
-
