@@ -160,6 +160,10 @@ func (b *Backend) OpenSymmetric(root []byte, rank, numRanks int, numBytes int64)
 
 // joinGroup makes this process's NVSHMEM group with a heap for a first region of numBytes.
 func (b *Backend) joinGroup(lib *nvshmem.Library, g nvshmem.Group, numBytes int64) error {
+	if st := lib.InitStatus(); st != 0 {
+		return fmt.Errorf("pyep: NVSHMEM is initialised in this process by another user of the library (status %d; "+
+			"DeepEP's low-latency Buffer is one): NVSHMEM is one group per process, so pyep cannot make its own", st)
+	}
 	set, err := HeapSetting(env.Get(SymmetricSizeEnv), numBytes)
 	if err != nil {
 		return err

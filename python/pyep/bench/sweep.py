@@ -137,9 +137,15 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple
     pyep_impl = next((i for i in impls if i.name == "pyep" and isinstance(i, EPRunner)), None)
     for k, why in plan.ll_nodes_skipped.items():
         skipped[f"pyep low-latency ranks_per_node={k}"] = why
+    # DeepEP's low-latency Buffer is an NVSHMEM group of its own in this process, which NVSHMEM allows once.
+    nvshmem_taken = where.cuda and any(ll.name == "deepep" for ll in lls)
     for k in plan.ll_nodes if plan.ll_cases else []:
         if pyep_impl is None:
             skipped[f"pyep low-latency ranks_per_node={k}"] = "pyep did not run"
+        elif nvshmem_taken:
+            skipped[f"pyep low-latency ranks_per_node={k}"] = (
+                "DeepEP's low-latency Buffer made this process's NVSHMEM group, and NVSHMEM is initialised once a process: "
+                "run --ll-nodes with --impls pyep,baseline")
         else:
             lls.append(pyep_impl.low_latency(ranks_per_node=k))
     return impls, lls, skipped, deepep_info
