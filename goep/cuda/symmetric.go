@@ -202,55 +202,71 @@ func groupFits(pe, n, rank, numRanks int) error {
 	return nil
 }
 
-// initNVSHMEM runs NVSHMEM's collective init, bounded by the backend's timeout: NVSHMEM's
-// bootstrap has no bound of its own when rank 0 (the unique id's root) or a peer never comes.
-func (b *Backend) initNVSHMEM(lib *nvshmem.Library, g nvshmem.Group) error {
+// collective runs f, one of NVSHMEM's collective calls, with the context current, bounded by the
+// backend's timeout: NVSHMEM's collectives have no bound of their own when a rank never comes.
+// On a timeout f is left running (nothing can stop it), and NVSHMEM is unusable in the process.
+func (b *Backend) collective(f func() error) (timedOut bool, err error) {
 	done := make(chan error, 1)
 	go func() {
 		exit, err := b.Enter()
 		defer exit()
 		if err == nil {
-			err = lib.Init(g)
+			err = f()
 		}
 		done <- err
 	}()
 	select {
 	case err := <-done:
-		if err != nil {
-			return fmt.Errorf("pyep: NVSHMEM bootstrap as PE %d of %d: %w", g.Rank, g.Ranks, err)
-		}
-		return nil
+		return false, err
 	case <-time.After(b.timeout):
+		return true, nil
+	}
+}
+
+// initNVSHMEM runs NVSHMEM's collective init (with group locked), bounded (collective).
+func (b *Backend) initNVSHMEM(lib *nvshmem.Library, g nvshmem.Group) error {
+	timedOut, err := b.collective(func() error { return lib.Init(g) })
+	if timedOut {
 		group.stuck = fmt.Errorf("pyep: NVSHMEM bootstrap as PE %d of %d did not finish within %v: rank 0 (whose unique id the group "+
 			"joins) or another rank did not reach sync, or cannot be reached (NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME names the "+
 			"interface; NVSHMEM_DEBUG=INFO says more); this process's NVSHMEM is left unusable", g.Rank, g.Ranks, b.timeout)
 		return group.stuck
 	}
+	if err != nil {
+		return fmt.Errorf("pyep: NVSHMEM bootstrap as PE %d of %d: %w", g.Rank, g.Ranks, err)
+	}
+	return nil
 }
 
 // allocSymmetric allocates and zeroes the region on every PE (the barrier: no peer writes into
-// a region before its owner zeroed it).
+// a region before its owner zeroed it), with group locked, bounded (collective).
 func (b *Backend) allocSymmetric(lib *nvshmem.Library, numBytes int64) (*symmetricRegion, error) {
-	exit, err := b.Enter()
-	defer exit()
-	if err != nil {
-		return nil, err
+	var r *symmetricRegion
+	timedOut, err := b.collective(func() error {
+		p, err := lib.Malloc(int(numBytes))
+		if err != nil {
+			return err
+		}
+		base := driver.DevicePtr(p)
+		if err := b.drv.MemsetD8(base, 0, int(numBytes)); err != nil {
+			return errors.Join(err, lib.Free(p))
+		}
+		if err := b.drv.CtxSynchronize(); err != nil {
+			return errors.Join(err, lib.Free(p))
+		}
+		if err := lib.BarrierAll(); err != nil {
+			return errors.Join(err, lib.Free(p))
+		}
+		r = &symmetricRegion{b: b, lib: lib, base: base}
+		return nil
+	})
+	if timedOut {
+		group.stuck = fmt.Errorf("pyep: NVSHMEM's allocation of the low-latency region (num_rdma_bytes = %d) did not finish "+
+			"within %v: nvshmem_malloc and the barrier after it are collective, and a rank of the group did not reach sync; "+
+			"this process's NVSHMEM is left unusable", numBytes, b.timeout)
+		return nil, group.stuck
 	}
-	p, err := lib.Malloc(int(numBytes))
-	if err != nil {
-		return nil, err
-	}
-	r := &symmetricRegion{b: b, lib: lib, base: driver.DevicePtr(p)}
-	if err := b.drv.MemsetD8(r.base, 0, int(numBytes)); err != nil {
-		return nil, errors.Join(err, lib.Free(p))
-	}
-	if err := b.drv.CtxSynchronize(); err != nil {
-		return nil, errors.Join(err, lib.Free(p))
-	}
-	if err := lib.BarrierAll(); err != nil {
-		return nil, errors.Join(err, lib.Free(p))
-	}
-	return r, nil
+	return r, err
 }
 
 // symmetricRegion is a buffer's low-latency region in NVSHMEM's symmetric heap.
@@ -284,10 +300,16 @@ func (r *symmetricRegion) Close() error {
 	if err := b.SyncDevice(b.timeout); err != nil {
 		return fmt.Errorf("pyep: cuda: releasing the NVSHMEM region: %w; the region stays allocated", err)
 	}
-	exit, err := b.Enter()
-	defer exit()
-	if err != nil {
-		return err
+	group.Lock()
+	defer group.Unlock()
+	if group.stuck != nil {
+		return fmt.Errorf("pyep: cuda: the NVSHMEM region stays allocated: %w", group.stuck)
 	}
-	return r.lib.Free(uintptr(r.base))
+	timedOut, err := b.collective(func() error { return r.lib.Free(uintptr(r.base)) })
+	if timedOut {
+		group.stuck = fmt.Errorf("pyep: cuda: freeing the NVSHMEM region did not finish within %v: nvshmem_free is "+
+			"collective, and a rank of the group did not destroy its buffer; this process's NVSHMEM is left unusable", b.timeout)
+		return group.stuck
+	}
+	return err
 }
