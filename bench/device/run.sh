@@ -11,6 +11,10 @@
 #                    on pyep (bench/deepep/run_deepep_test.sh), then on DeepEP itself
 #   bench:N          python -m pyep.bench --quick with N ranks: pyep, NCCL's baseline, and DeepEP when it built
 #   ll-bench:N       python -m pyep.bench --quick --ll with N ranks (pyep and DeepEP)
+#   nodes:N:K        low-latency mode across nodes emulated with PYEP_RANKS_PER_NODE (NVSHMEM, no NIC: remote
+#                    transport none, bootstrap over lo): the across-nodes test files with N ranks (nodes-N-ranks/),
+#                    then python -m pyep.bench --quick --ll --impls pyep --ll-nodes K (DeepEP's NVSHMEM would
+#                    take the process's group)
 #   ncu-ll:N         Nsight Compute over pyep's hooked low-latency kernels (bench/device/ll_profile.py, each
 #                    kernel alone), compiled with -lineinfo: $RES/ncu-ll.ncu-rep and a summary
 # Environment: DEEPEP_SRC (default .deepep: DeepEP V1's source, git archive 9249c25), RES (logs, default
@@ -94,6 +98,16 @@ bench_run() {  # N extra-args...
     PYTHONPATH=/tmp/deepep:${PYTHONPATH:-} python3 -m pyep.bench --quick --nprocs "$n" --out "$RES/bench-$n$*" "$@" | tr -d '\r'
 }
 
+nodes() {  # N K
+    export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo
+    local rc=0
+    PYEP_TEST_DEVICE=cuda torchrun --nproc-per-node "$1" --log-dir "$RES/nodes-$1-ranks" --redirects 3 --tee 3 \
+        -m pytest -q -rfEs -p no:cacheprovider tests/test_low_latency_nodes.py tests/test_runtime_sequence.py || rc=1
+    python3 -m pyep.bench --quick --ll --impls pyep --ll-nodes "$2" --nprocs "$1" --out "$RES/bench-$1-nodes-$2" |
+        tr -d '\r' || rc=1
+    return $rc
+}
+
 ncu_ll() {  # N
     PYEP_JIT_FLAGS=-lineinfo PYEP_JIT_CACHE_DIR=/tmp/pyep-lineinfo PYEP_TIMEOUT_S=300 \
         ncu --target-processes all -k regex:'dispatch|combine' --launch-skip 8 --launch-count 8 --set full \
@@ -114,6 +128,7 @@ for stage in "$@"; do
         deepep-tests) deepep_tests "$a" ;;
         bench) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f bench_run deepep_ready); bench_run $a" ;;
         ll-bench) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f bench_run deepep_ready); bench_run $a --ll" ;;
+        nodes) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f nodes); nodes $a $b" ;;
         ncu-ll) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f ncu_ll); ncu_ll $a" ;;
         *) echo "unknown stage $stage"; false ;;
     esac > >(tee "$log") 2>&1
