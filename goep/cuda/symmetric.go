@@ -31,6 +31,7 @@ import (
 // the error of a bootstrap that never finished (NVSHMEM is then unusable in this process).
 var group struct {
 	sync.Mutex
+	id    nvshmem.UniqueID // the root's unique id the group was made from
 	heap  string
 	stuck error
 }
@@ -105,11 +106,20 @@ func (b *Backend) library() (*nvshmem.Library, error) {
 	return lib, nil
 }
 
-// NVSHMEMUniqueID implements goep.SymmetricBackend: nvshmemx_get_uniqueid, for the root rank.
+// NVSHMEMUniqueID implements goep.SymmetricBackend: nvshmemx_get_uniqueid, for the root rank
+// (the group's own id once this process is in it).
 func (b *Backend) NVSHMEMUniqueID() ([]byte, error) {
 	lib, err := b.library()
 	if err != nil {
 		return nil, err
+	}
+	group.Lock()
+	defer group.Unlock()
+	if lib.Initialized() {
+		// The process is in its group already: no new id (a fresh one would start a bootstrap
+		// that no rank joins); the buffer's sync allocates in the group.
+		id := group.id
+		return id[:], nil
 	}
 	id, err := lib.GetUniqueID()
 	if err != nil {
@@ -174,7 +184,7 @@ func (b *Backend) joinGroup(lib *nvshmem.Library, g nvshmem.Group, numBytes int6
 			return err
 		}
 	}
-	group.heap = os.Getenv(SymmetricSizeEnv)
+	group.heap, group.id = os.Getenv(SymmetricSizeEnv), g.ID
 	return b.initNVSHMEM(lib, g)
 }
 
