@@ -21,20 +21,7 @@
 #ifdef PYEP_EMU
 #include "remote.h"
 #else
-// NVRTC has no C++ standard library: NVSHMEM's headers use std::is_integral and friends, which
-// CCCL's <cuda/std/type_traits> provides under cuda::std.
-#include <cuda/std/type_traits>
-namespace std {
-using cuda::std::enable_if;
-using cuda::std::is_floating_point;
-using cuda::std::is_integral;
-using cuda::std::is_same;
-using cuda::std::is_signed;
-using cuda::std::is_unsigned;
-using cuda::std::remove_reference;
-}  // namespace std
-#include <nvshmem.h>
-#include <nvshmemx.h>
+#include "nvshmem_nvrtc.cuh"
 
 #include "utils.cuh"
 

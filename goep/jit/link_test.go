@@ -113,9 +113,10 @@ func TestNVRTCIncludeDirs(t *testing.T) {
 func TestCompileLinkedNVSHMEM(t *testing.T) {
 	requireNVJitLink(t)
 	inc, dev := requireNVSHMEMDevice(t)
-	src, err := FromFS(os.DirFS("testdata"), "nvshmem_probe.cu")
+	src, err := Kernel("nvshmem_probe.cu")
 	require.NoError(t, err)
-	opts := LinkOptions{Options: Options{Arch: "sm_90"}, IncludeDirs: []string{inc}, Libraries: []string{dev}}
+	opts := LinkOptions{Options: Options{Arch: "sm_90", Defines: map[string]string{"PYEP_NVSHMEM_PROBE": ""}},
+		IncludeDirs: []string{inc}, Libraries: []string{dev}}
 
 	dir := t.TempDir()
 	c := NewCache(dir)

@@ -2,7 +2,6 @@ package nvshmem
 
 import (
 	"encoding/binary"
-	"os"
 	"runtime"
 	"testing"
 	"unsafe"
@@ -51,9 +50,10 @@ func TestOnePE(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, [2]int{0, 1}, [2]int{pe, n})
 
-	src, err := jit.FromFS(os.DirFS("../jit/testdata"), "nvshmem_probe.cu")
+	src, err := jit.Kernel("nvshmem_probe.cu")
 	require.NoError(t, err)
-	cubin, err := jit.NewCache("").CompileLinked(src, jit.LinkOptions{Options: jit.Options{Arch: arch},
+	probe := map[string]string{"PYEP_NVSHMEM_PROBE": ""}
+	cubin, err := jit.NewCache("").CompileLinked(src, jit.LinkOptions{Options: jit.Options{Arch: arch, Defines: probe},
 		IncludeDirs: []string{inc}, Libraries: []string{dev}})
 	require.NoError(t, err)
 	mod, err := d.ModuleLoadData(cubin)
