@@ -216,9 +216,7 @@ func (b *Buffer) lowLatency(op string) (*lowLatency, error) {
 	case b.params.NumRDMABytes == 0:
 		return nil, Argf("%s: low-latency mode needs num_rdma_bytes > 0 (see Buffer.get_low_latency_rdma_size_hint)", op)
 	case b.ll != nil && b.ll.nvshmem && b.ll.unavailable != nil:
-		return nil, NotAvailablef("%s: low-latency mode across nodes (%d ranks, %d nodes of %d) on the %s backend needs "+
-			"NVSHMEM (%v)%s", op, b.topo.NumRanks, b.topo.NumRDMARanks, b.topo.NumNVLRanks, b.backend.Name(), b.ll.unavailable,
-			b.topo.nodesHint())
+		return nil, b.nvshmemUnavailable(op)
 	case b.ll == nil || b.ll.engine == nil && b.ll.device == nil:
 		return nil, fmt.Errorf("%s: low-latency mode is not available on the %s backend with %d ranks", op, b.backend.Name(), b.topo.NumRanks)
 	}

@@ -96,6 +96,30 @@ func (b *Buffer) openSymmetric(handles [][]byte, root []byte) error {
 	return nil
 }
 
+// nvshmemUnavailable is op's error on a buffer that needs NVSHMEM where it cannot run: what
+// made it need NVSHMEM (nodes, allow_nvlink_for_low_latency_mode=False), why NVSHMEM cannot run,
+// and the settings that would do without it.
+func (b *Buffer) nvshmemUnavailable(op string) error {
+	t, noNVLink := b.topo, b.params.NoNVLinkForLowLatency
+	var mode, hint string
+	if t.NumRDMARanks == 1 {
+		// One node: only allow_nvlink_for_low_latency_mode=False sends through NVSHMEM.
+		mode = fmt.Sprintf("low-latency mode with allow_nvlink_for_low_latency_mode=False (%d ranks on one node, every "+
+			"peer through NVSHMEM)", t.NumRanks)
+		hint = "; pass allow_nvlink_for_low_latency_mode=True to run it on one node without NVSHMEM"
+	} else {
+		mode = fmt.Sprintf("low-latency mode across nodes (%d ranks, %d nodes of %d)", t.NumRanks, t.NumRDMARanks, t.NumNVLRanks)
+		hint = t.nodesHint()
+		if noNVLink {
+			mode += " with allow_nvlink_for_low_latency_mode=False"
+			if hint != "" && t.NumRanks <= NumMaxNVLPeers {
+				hint += ", with allow_nvlink_for_low_latency_mode=True"
+			}
+		}
+	}
+	return NotAvailablef("%s: %s on the %s backend needs NVSHMEM (%v)%s", op, mode, b.backend.Name(), b.ll.unavailable, hint)
+}
+
 // nvlTokens are the ranks' NVLink-buffer tokens from handles, where they have one, which tell
 // the engine the ranks that share this GPU (nil entries otherwise).
 func (b *Buffer) nvlTokens(handles [][]byte) [][]byte {

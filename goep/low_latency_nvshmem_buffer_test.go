@@ -217,6 +217,14 @@ func TestNVSHMEMNotAvailable(t *testing.T) {
 				"); the 4 ranks are 2 nodes because PYEP_RANKS_PER_NODE = 2: unset it to run them as one node"},
 		{name: "DeepEP's nodes", n: 16, me: 9,
 			want: "%s: low-latency mode across nodes (16 ranks, 2 nodes of 8) on the stub backend needs NVSHMEM (" + why + ")"},
+		{name: "allow_nvlink=False on one node", n: 4, me: 1, noNVLink: true,
+			want: "%s: low-latency mode with allow_nvlink_for_low_latency_mode=False (4 ranks on one node, every peer " +
+				"through NVSHMEM) on the stub backend needs NVSHMEM (" + why + "); pass allow_nvlink_for_low_latency_mode=True " +
+				"to run it on one node without NVSHMEM"},
+		{name: "allow_nvlink=False on emulated nodes", n: 4, perNode: 2, me: 1, noNVLink: true,
+			want: "%s: low-latency mode across nodes (4 ranks, 2 nodes of 2) with allow_nvlink_for_low_latency_mode=False on " +
+				"the stub backend needs NVSHMEM (" + why + "); the 4 ranks are 2 nodes because PYEP_RANKS_PER_NODE = 2: unset " +
+				"it to run them as one node, with allow_nvlink_for_low_latency_mode=True"},
 		{name: "no NVSHMEM in the backend", n: 2, perNode: 1, me: 1, plain: true,
 			want: "%s: low-latency mode across nodes (2 ranks, 2 nodes of 1) on the stub backend needs NVSHMEM (the stub " +
 				"backend has no NVSHMEM); the 2 ranks are 2 nodes because PYEP_RANKS_PER_NODE = 1: unset it to run them as one node"},
