@@ -334,6 +334,21 @@ func (b *Buffer) LocalData(rdma bool) (unsafe.Pointer, int64, error) {
 	return b.PeerData(b.topo.NVLRank, rdma)
 }
 
+// noRDMABuffer says why a buffer has no RDMA region to view (b.mu held): none was asked for,
+// or, over NVSHMEM, it is made at sync and was not (not synced yet, or NVSHMEM cannot run).
+func (b *Buffer) noRDMABuffer() error {
+	const op = "use_rdma_buffer=True"
+	switch {
+	case b.ll == nil || !b.ll.nvshmem:
+		return errors.New(op + ": this buffer has no RDMA buffer (num_rdma_bytes = 0)")
+	case b.state != available:
+		return fmt.Errorf("%s: %w", op, errNotSynced)
+	case b.ll.unavailable != nil:
+		return b.nvshmemUnavailable(op)
+	}
+	return fmt.Errorf("%s: low-latency mode is not available on the %s backend with %d ranks", op, b.backend.Name(), b.topo.NumRanks)
+}
+
 // PeerData returns NVLink peer nvlRank's data region as mapped here (RDMA: only the local one).
 func (b *Buffer) PeerData(nvlRank int, rdma bool) (unsafe.Pointer, int64, error) {
 	b.mu.Lock()
@@ -346,7 +361,7 @@ func (b *Buffer) PeerData(nvlRank int, rdma bool) (unsafe.Pointer, int64, error)
 			return nil, 0, errors.New("use_rdma_buffer: only the local RDMA buffer is addressable")
 		}
 		if b.rdma == nil {
-			return nil, 0, errors.New("use_rdma_buffer=True: this buffer has no RDMA buffer (num_rdma_bytes = 0)")
+			return nil, 0, b.noRDMABuffer()
 		}
 		return b.rdma.Data(), b.params.NumRDMABytes, nil
 	}

@@ -252,6 +252,10 @@ func TestNVSHMEMNotAvailable(t *testing.T) {
 				assert.True(t, IsNotAvailable(err), "%s: %v", name, err)
 				assert.EqualError(t, err, fmt.Sprintf(c.want, name))
 			}
+			// get_local_buffer_tensor(use_rdma_buffer=True): there is no region, for the same reason.
+			_, _, err = b.LocalData(true)
+			assert.True(t, IsNotAvailable(err), "%v", err)
+			assert.EqualError(t, err, fmt.Sprintf(c.want, "use_rdma_buffer=True"))
 			require.NoError(t, b.Destroy())
 			assert.NotContains(t, w.events(), fmt.Sprintf("close symmetric %d", c.me))
 		})
@@ -281,6 +285,9 @@ func TestNVSHMEMSyncBadRoot(t *testing.T) {
 	for name, err := range llCalls(b) {
 		assert.ErrorIs(t, err, errNotSynced, name)
 	}
+	// The region is made at sync: before it, the RDMA buffer is not there yet.
+	_, _, err = b.LocalData(true)
+	assert.ErrorIs(t, err, errNotSynced)
 	// Each failed sync opened rank 0's NVLink buffer and closed it again.
 	assert.Equal(t, []string{"open nvl-token-0", "close peer nvl-token-0 on 1", "open nvl-token-0", "open symmetric 1",
 		"close peer nvl-token-0 on 1"}, w.events()[4:])
@@ -368,4 +375,21 @@ func TestNVSHMEMUnmappedPeer(t *testing.T) {
 	assert.Equal(t, []unsafe.Pointer{nil, heapPtr(g.w, 1), nil, nil}, g.engineOf(t, 1).regions)
 	assert.Equal(t, []bool{false, false, true, true}, g.engineOf(t, 0).env.Remote)
 	assert.Equal(t, []unsafe.Pointer{heapPtr(g.w, 0), heapPtr(g.w, 1), nil, nil}, g.engineOf(t, 0).regions)
+}
+
+// Without a device engine to run the calls, sync allocates no region: the calls and the RDMA
+// buffer's view say the mode is not available.
+func TestNVSHMEMNoEngineMaker(t *testing.T) {
+	w := newSymWorld()
+	be := &symBackend{w: w}
+	b, err := NewBuffer(Params{Rank: 0, NumRanks: 2, NumRDMABytes: symRDMABytes, LowLatencyMode: true, RanksPerNode: 1}, be)
+	require.NoError(t, err)
+	require.NoError(t, b.Sync([]int{0, 0}, make([][]byte, 2), w.id))
+	assert.Empty(t, be.opens)
+	for name, err := range llCalls(b) {
+		assert.EqualError(t, err, name+": low-latency mode is not available on the stub backend with 2 ranks")
+	}
+	_, _, err = b.LocalData(true)
+	assert.EqualError(t, err, "use_rdma_buffer=True: low-latency mode is not available on the stub backend with 2 ranks")
+	require.NoError(t, b.Destroy())
 }
