@@ -120,7 +120,9 @@ func NewBuffer(p Params, backend Backend) (*Buffer, error) {
 	}
 	if p.NumRDMABytes > 0 {
 		if b.rdma, err = b.allocateRDMA(); err != nil {
-			_ = b.local.Close()
+			if b.local != nil {
+				_ = b.local.Close()
+			}
 			return nil, fmt.Errorf("rank %d: allocate %d RDMA-buffer bytes on %s: %w", p.Rank, p.NumRDMABytes, backend.Name(), err)
 		}
 	}

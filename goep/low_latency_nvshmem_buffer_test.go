@@ -393,3 +393,16 @@ func TestNVSHMEMNoEngineMaker(t *testing.T) {
 	assert.EqualError(t, err, "use_rdma_buffer=True: low-latency mode is not available on the stub backend with 2 ranks")
 	require.NoError(t, b.Destroy())
 }
+
+// A buffer whose RDMA region cannot be allocated fails to be made, and frees its NVLink buffer
+// if it has one.
+func TestNewBufferRDMAFailure(t *testing.T) {
+	w := newSymWorld()
+	be := &symBackend{w: w, allocFails: symRDMABytes}
+	// One node in low-latency mode: the region is shared (Allocate), not in NVSHMEM's heap.
+	_, err := NewBuffer(Params{Rank: 0, NumRanks: 2, NumRDMABytes: symRDMABytes, LowLatencyMode: true}, be)
+	assert.EqualError(t, err, "rank 0: allocate 1048576 RDMA-buffer bytes on stub: stub: out of memory")
+	_, err = NewBuffer(Params{Rank: 0, NumRanks: 2, NumNVLBytes: 1 << 12, NumRDMABytes: symRDMABytes, LowLatencyMode: true}, be)
+	assert.EqualError(t, err, "rank 0: allocate 1048576 RDMA-buffer bytes on stub: stub: out of memory")
+	assert.Equal(t, []string{"allocate nvl 0", "allocate nvl 0", "allocate nvl 0", "close nvl 0"}, w.events())
+}

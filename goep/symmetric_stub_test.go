@@ -74,6 +74,7 @@ type symBackend struct {
 	rank int
 	// What the next calls answer with (nil: success).
 	idErr, openErr, closeErr error
+	allocFails               int64 // Allocate of this size fails
 	opens                    []symOpen
 	ids                      int // NVSHMEMUniqueID calls
 	regions                  []*symRegion
@@ -84,6 +85,9 @@ func (s *symBackend) DeviceID() int { return 0 }
 
 func (s *symBackend) Allocate(size int64, numPeers int) (LocalRegion, error) {
 	s.w.event("allocate nvl %d", s.rank)
+	if size == s.allocFails {
+		return nil, errors.New("stub: out of memory")
+	}
 	return &hostRegion{w: s.w, name: fmt.Sprintf("nvl %d", s.rank), mem: make([]byte, ControlBytes+size),
 		token: []byte(fmt.Sprintf("nvl-token-%d", s.rank))}, nil
 }
