@@ -145,11 +145,12 @@ func hostID() string {
 	return "host:" + name
 }
 
-// RanksOnDevice counts the tokens (every rank's, from Sync's handles) of buffers on this GPU.
+// RanksOnDevice counts the tokens (every rank's, from Sync's handles) of buffers on this GPU:
+// its bus id on this host (a node's GPU at the same PCI address on another machine is another).
 func (b *Backend) RanksOnDevice(tokens [][]byte) int {
 	n := 0
 	for _, raw := range tokens {
-		if t, err := decodeToken(raw); err == nil && t.BusID == b.busID {
+		if t, err := decodeToken(raw); err == nil && t.BusID == b.busID && t.Host == b.host {
 			n++
 		}
 	}

@@ -170,3 +170,15 @@ func TestFDServer(t *testing.T) {
 	assert.ErrorContains(t, err, "address already in use")
 	require.NoError(t, taken.Close())
 }
+
+// The ranks that share this GPU are the tokens of its bus id on this host: a GPU of another
+// node at the same PCI address (identical machines) is not this one.
+func TestRanksOnDevice(t *testing.T) {
+	b := &Backend{busID: "0000:1B:00.0", host: "boot-a"}
+	on := func(bus, host string) []byte {
+		return token{Kind: kindIPC, Size: 1 << 20, Mapped: allocationBytes(1 << 20), BusID: bus, Host: host, Process: "1"}.encode()
+	}
+	tokens := [][]byte{on("0000:1B:00.0", "boot-a"), on("0000:1B:00.0", "boot-a"), on("0000:1B:00.0", "boot-b"),
+		on("0000:2C:00.0", "boot-a"), nil, []byte("not a token")}
+	assert.Equal(t, 2, b.RanksOnDevice(tokens))
+}
