@@ -25,6 +25,8 @@
 // pyep:defines PYEP_LL_DISPATCH PYEP_LL_HIDDEN=384 PYEP_LL_TOPK=11 PYEP_LL_FP8=0 PYEP_LL_ROUND=0 PYEP_LL_UE8M0=0
 // pyep:defines PYEP_LL_COMBINE PYEP_LL_HIDDEN=7168 PYEP_LL_TOPK=8
 // pyep:defines PYEP_LL_COMBINE PYEP_LL_HIDDEN=128 PYEP_LL_TOPK=1
+// pyep:defines PYEP_LL_DISPATCH PYEP_LL_HIDDEN=7168 PYEP_LL_TOPK=8 PYEP_LL_FP8=1 PYEP_LL_ROUND=0 PYEP_LL_UE8M0=0 PYEP_LL_TIMELINE=1
+// pyep:defines PYEP_LL_COMBINE PYEP_LL_HIDDEN=7168 PYEP_LL_TOPK=8 PYEP_LL_TIMELINE=1
 // (The PYEP_LL_REMOTE builds need NVSHMEM's headers: goep/jit's TestCompileLinkedLowLatency compiles and links them.)
 #ifdef PYEP_EMU
 #include <cmath>
@@ -171,14 +173,16 @@ PYEP_DEVICE void finish_recv(const LLParams& p, u32 seq) {
     }
 }
 
-// A kernel: its call's send phase, its receive phase, or both, as p.phases says.
-template <typename Send, typename Recv>
+// A kernel: its call's send phase, its receive phase, or both, as p.phases says. kDone is the
+// receive's last timeline stamp (params.h; nothing without PYEP_LL_TIMELINE).
+template <int kDone, typename Send, typename Recv>
 PYEP_DEVICE void run_phases(const LLParams& p, Send send, Recv recv) {
     const u32 seq = call_seq(p);
     if (p.phases & kPhaseSend) send(p, seq);
     if (p.phases & kPhaseRecv) {
         recv(p, seq);
         finish_recv(p, seq);
+        PYEP_LL_STAMP(p, kDone);
     }
 }
 
@@ -367,6 +371,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     auto flag = [&](int g) { return reinterpret_cast<u64*>(region(p, g / L) + p.off_dflags) + (g % L) * R + p.rank; };
     u8* staged = local(p) + p.off_send;  // remote ranks' messages, by token
     const int owned = b < E ? (E - b + G - 1) / G : 0;  // experts b, b + G, ...
+    PYEP_LL_STAMP_START(p, PYEP_LL_DS_START, PYEP_LL_DS_FLAGGED);
     for (int u0 = b, asked = 0; u0 < T || asked < owned; u0 += kBatch * G) {
         const int P = u0 < T ? batch_units(u0, T) : 0, S = P * kTopk;
         const int own = owned - asked < kOwn ? owned - asked : kOwn;
@@ -383,14 +388,19 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         }
         for (int q = tid; q < own; q += kThreads) s_g[S + q] = b + (asked + q) * G, s_t[S + q] = 0, s_before[S + q] = 0, s_total[S + q] = 0;
         __syncthreads();
+        PYEP_LL_STAMP(p, PYEP_LL_DS_SETTLED);
         count_selections(p, s_g, s_t, S + own, s_before, s_total);
         __syncthreads();
+        PYEP_LL_STAMP(p, PYEP_LL_DS_COUNTED);
         for (int q = tid; q < own; q += kThreads) {
             const int g = s_g[S + q];
             if (s_total[S + q] == 0 && may_send(p, g / L, seq)) signal_peer(p, g / L, flag(g), static_cast<u64>(seq) << 32);
         }
         asked += own;
-        if (P == 0) continue;  // block-uniform
+        if (P == 0) {  // block-uniform
+            PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_SLOTS, PYEP_LL_DS_FLAGGED);  // a round with no token writes nothing
+            continue;
+        }
         for (int s = tid; s < S; s += kThreads) {
             if (kRemote) s_rslot[s] = 0;
             if (s_slot[s] != 0) {
@@ -413,6 +423,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
                     }
             __syncthreads();
         }
+        PYEP_LL_STAMP(p, PYEP_LL_DS_SLOTS);
         // Item it is chunk it % kChunks of the batch's token it / kChunks; warp w takes items w, w + kWarps, ...
         const int total = P * kChunks;
         for (int it0 = warp; it0 < total; it0 += kWarps * kCastBatch)
@@ -422,7 +433,10 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
                 tok = u0 + i * G;
                 slots = s_slot + i * kTopk;
             });
+        PYEP_LL_STAMP(p, PYEP_LL_DS_CAST);
         __syncthreads();  // the block's messages are written
+        PYEP_LL_STAMP(p, PYEP_LL_DS_WRITTEN);
+        PYEP_LL_STAMP(p, PYEP_LL_DS_FENCED);  // in case thread 0 has no selection to count
         if (kRemote) {
             for (int s = warp; s < S; s += kWarps)
                 if (s_rslot[s] != 0)  // warp-uniform
@@ -434,12 +448,14 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
             const int g = s_g[s];
             if (g < 0) continue;
             fence_acq_rel_sys();  // the block's messages (ordered before this by the barrier) before the count
+            if (s == tid) PYEP_LL_STAMP(p, PYEP_LL_DS_FENCED);
             if (atomicAdd(sent + g, 1) + 1 != s_total[s]) continue;
             // The last of g's selections: every block's messages for g are ordered before this.
             fence_acq_rel_sys();
             st_volatile(sent + g, 0);  // for the next call (a later kernel)
             if (!masked(p, g / L)) signal_peer(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[s]));
         }
+        PYEP_LL_STAMP(p, PYEP_LL_DS_FLAGGED);
     }
 }
 
@@ -461,6 +477,7 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
     const i64 RM = static_cast<i64>(R) * M;
     const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_dflags);
     const u8* recv = local(p) + p.off_recv;
+    PYEP_LL_STAMP_START(p, PYEP_LL_DR_START, PYEP_LL_DR_DONE);
     for (int u0 = static_cast<int>(blockIdx.x); u0 < L * R; u0 += kBatch * G) {
         const int P = batch_units(u0, L * R);
         __syncthreads();  // the previous batch's readers are done with the shared arrays
@@ -485,6 +502,7 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
             warp0_prefix(s_n, s_row, P, 1);
         }
         __syncthreads();
+        PYEP_LL_STAMP(p, PYEP_LL_DR_FLAGS);
         const int total = s_row[P] * kMsgVecs;
         for (int q0 = tid; q0 < total; q0 += kThreads * kRowUnroll) {
             int4 v[kRowUnroll];
@@ -539,6 +557,7 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
                 if (p.cum_stats != 0) atomicAdd(reinterpret_cast<i32*>(p.cum_stats) + j, static_cast<i32>(begin + n));
             }
         }
+        PYEP_LL_STAMP(p, PYEP_LL_DR_COPIED);
     }
 }
 
@@ -546,11 +565,11 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
 // test harness finds its kernels by those names); the emulator by their C names.
 #ifdef PYEP_EMU
 extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_ll_dispatch(const LLParams p) {
-    run_phases(p, dispatch_send, dispatch_recv);
+    run_phases<PYEP_LL_DR_DONE>(p, dispatch_send, dispatch_recv);
 }
 #else
 namespace ll {
-__global__ void __launch_bounds__(kThreads, 1) dispatch(const LLParams p) { run_phases(p, dispatch_send, dispatch_recv); }
+__global__ void __launch_bounds__(kThreads, 1) dispatch(const LLParams p) { run_phases<PYEP_LL_DR_DONE>(p, dispatch_send, dispatch_recv); }
 }  // namespace ll
 #endif
 
@@ -575,6 +594,7 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
     const i64 RM = static_cast<i64>(R) * M;
     const u16* rows = p.zero_copy ? reinterpret_cast<const u16*>(local(p) + p.off_send) : reinterpret_cast<const u16*>(p.x);
     const i32* src_info = reinterpret_cast<const i32*>(p.src_info);
+    PYEP_LL_STAMP_START(p, PYEP_LL_CS_START, PYEP_LL_CS_FLAGGED);
     for (int u0 = static_cast<int>(blockIdx.x); u0 < L * R; u0 += kBatch * G) {
         const int P = batch_units(u0, L * R);
         __syncthreads();  // the previous batch's readers are done with the shared arrays
@@ -594,6 +614,7 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
             if (kRemote) warp0_prefix(s_rn, s_rrow, P, 1);
         }
         __syncthreads();
+        PYEP_LL_STAMP(p, PYEP_LL_CS_ADMITTED);
         if (kRemote)
             for (int k = warp; k < s_rrow[P]; k += kWarps) {
                 const int i = unit_of(s_rrow, P, k);
@@ -612,13 +633,16 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
                 return reinterpret_cast<int4*>(reinterpret_cast<u8*>(s_slots[i]) +
                                                static_cast<u64>(ld_nc(src_info + s_first[i] + k - s_row[i])) * (2 * kHidden));
             });
+        PYEP_LL_STAMP(p, PYEP_LL_CS_COPIED);
         __syncthreads();
+        PYEP_LL_STAMP(p, PYEP_LL_CS_WRITTEN);
         if (tid < P && s_ok[tid] != 0) {
             const int pair = u0 + tid * G;
             fence_acq_rel_sys();  // the block's rows (ordered before this by the barrier) reach d first
             signal_peer(p, pair % R, reinterpret_cast<u64*>(region(p, pair % R) + p.off_cflags) + p.rank * L + pair / R,
                         static_cast<u64>(seq) << 32 | 1u);
         }
+        PYEP_LL_STAMP(p, PYEP_LL_CS_FLAGGED);
     }
 }
 
@@ -632,6 +656,7 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
     PYEP_SHARED(i32, s_mask, kMaskCache);
     const int lane = lane_id(), R = p.num_ranks, E = p.num_experts, L = E / R, M = p.max_tokens;
     const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_cflags);
+    PYEP_LL_STAMP_START(p, PYEP_LL_CR_START, PYEP_LL_CR_DONE);
     for (int g = static_cast<int>(threadIdx.x); g < E; g += kThreads) {
         const int s = g / L;
         if (masked(p, s)) continue;
@@ -641,6 +666,7 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
             atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s, static_cast<unsigned long long>(spent));
     }
     __syncthreads();  // every wait is over: the masks are final for the call
+    PYEP_LL_STAMP(p, PYEP_LL_CR_FLAGS);
     for (int r = static_cast<int>(threadIdx.x); r < R && r < kMaskCache; r += kThreads) s_mask[r] = masked(p, r) ? 1 : 0;
     __syncthreads();
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
@@ -695,15 +721,16 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
             st_na(reinterpret_cast<int4*>(reinterpret_cast<u16*>(p.out) + static_cast<i64>(t) * kHidden + c), o);
         }
     }
+    PYEP_LL_STAMP(p, PYEP_LL_CR_SUMMED);
 }
 
 #ifdef PYEP_EMU
 extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_ll_combine(const LLParams p) {
-    run_phases(p, combine_send, combine_recv);
+    run_phases<PYEP_LL_CR_DONE>(p, combine_send, combine_recv);
 }
 #else
 namespace ll {
-__global__ void __launch_bounds__(kThreads, 1) combine(const LLParams p) { run_phases(p, combine_send, combine_recv); }
+__global__ void __launch_bounds__(kThreads, 1) combine(const LLParams p) { run_phases<PYEP_LL_CR_DONE>(p, combine_send, combine_recv); }
 }  // namespace ll
 #endif
 

@@ -140,6 +140,7 @@ struct pyep_ll_params {
     pyep_u64 recv_x, recv_scales, src_info, layout_range, count, cum_stats, wait_stats, out;
     pyep_i32 rank, num_ranks, num_experts, max_tokens;
     pyep_i32 num_tokens, half, phases, zero_copy;
+    pyep_u64 timeline;  // u64 [blocks][PYEP_LL_STAMPS], host-mapped: a PYEP_LL_TIMELINE build's stamps (else 0, unread)
 };
 
 // The first failed wait of a low-latency call, in host-mapped memory.
@@ -148,6 +149,67 @@ struct pyep_ll_error {
     pyep_i32 peer, what;     // the rank waited for, and for what (kWait*)
     pyep_u64 waited_ns, pad;
 };
+
+// ---- the low-latency timeline (a PYEP_LL_TIMELINE build's; issue #18) --------------------
+// Thread 0 of every block stores %globaltimer (ns) where a phase of its kernel ends, stamp id of
+// block b at timeline[b * PYEP_LL_STAMPS + id]. A kernel's start stamp (send or receive) clears
+// that kernel's later stamps, so a 0 is a phase the block did not reach in the last call (a block
+// with no token casts nothing); with several batches a block, a batch's stamps replace the
+// previous batch's. A stamp is thread 0's view: the block's barriers bound the others.
+// X(id, kernel, phase), kernel by kernel in phase order; goep/cuda/lowlatency names them.
+#define PYEP_LL_STAMP_LIST(X)                                                                    \
+    X(DS_START, "dispatch send", "start")                                                        \
+    X(DS_SETTLED, "dispatch send", "settled")   /* selections read, acknowledgements awaited */  \
+    X(DS_COUNTED, "dispatch send", "counted")   /* count_selections: every selection's slot */   \
+    X(DS_SLOTS, "dispatch send", "slots")       /* zero-count flags, slot addresses */          \
+    X(DS_CAST, "dispatch send", "cast")         /* thread 0's warp cast and wrote its chunks */  \
+    X(DS_WRITTEN, "dispatch send", "written")   /* the block's barrier: every row written */     \
+    X(DS_FENCED, "dispatch send", "fenced")     /* thread 0's first count's fence */            \
+    X(DS_FLAGGED, "dispatch send", "flagged")   /* thread 0's counts and flags stored */         \
+    X(DR_START, "dispatch recv", "start")                                                        \
+    X(DR_FLAGS, "dispatch recv", "flags")       /* the batch's flags arrived */                 \
+    X(DR_COPIED, "dispatch recv", "copied")     /* thread 0's vectors and ranges stored */       \
+    X(DR_DONE, "dispatch recv", "done")         /* finish_recv: the barrier, the grid's count */ \
+    X(CS_START, "combine send", "start")                                                         \
+    X(CS_ADMITTED, "combine send", "admitted")  /* acknowledgements awaited */                  \
+    X(CS_COPIED, "combine send", "copied")      /* thread 0's rows copied */                    \
+    X(CS_WRITTEN, "combine send", "written")    /* the block's barrier: every row written */     \
+    X(CS_FLAGGED, "combine send", "flagged")    /* thread 0's fence and flag */                 \
+    X(CR_START, "combine recv", "start")                                                         \
+    X(CR_FLAGS, "combine recv", "flags")        /* every expert's flag arrived */               \
+    X(CR_SUMMED, "combine recv", "summed")      /* thread 0's warp summed its items */          \
+    X(CR_DONE, "combine recv", "done")          /* finish_recv */
+#define PYEP_LL_STAMP_ID(id, kernel, phase) PYEP_LL_##id,
+enum pyep_ll_stamp { PYEP_LL_STAMP_LIST(PYEP_LL_STAMP_ID) PYEP_LL_STAMPS };
+#undef PYEP_LL_STAMP_ID
+
+// In a kernel (thread 0 of a block stores, the others pass): PYEP_LL_STAMP(p, id) stores stamp id;
+// PYEP_LL_STAMP_START(p, id, last) stores start stamp id and clears id + 1 .. last;
+// PYEP_LL_STAMPS_AT_ONCE(p, first, last) stores one time as stamps first .. last (phases that had
+// nothing to do). Without PYEP_LL_TIMELINE they are nothing, and p.timeline is never read.
+#if defined(PYEP_LL_TIMELINE) && PYEP_LL_TIMELINE
+#define PYEP_LL_STAMP_FILL(p, first, last, v)                                                 \
+    do {                                                                                      \
+        if (threadIdx.x == 0) {                                                               \
+            const pyep_u64 pyep_v = (v);                                                      \
+            pyep_u64* pyep_row = reinterpret_cast<pyep_u64*>((p).timeline) + blockIdx.x * PYEP_LL_STAMPS; \
+            for (int pyep_s = (first); pyep_s <= (last); pyep_s++) pyep_row[pyep_s] = pyep_v; \
+        }                                                                                     \
+    } while (0)
+#define PYEP_LL_STAMP(p, id) PYEP_LL_STAMP_FILL(p, id, id, globaltimer())
+#define PYEP_LL_STAMP_START(p, id, last)              \
+    do {                                              \
+        PYEP_LL_STAMP_FILL(p, (id) + 1, last, 0ull);  \
+        PYEP_LL_STAMP(p, id);                         \
+    } while (0)
+#define PYEP_LL_STAMPS_AT_ONCE(p, first, last) PYEP_LL_STAMP_FILL(p, first, last, globaltimer())
+#else
+#define PYEP_LL_STAMP(p, id) \
+    do {                     \
+    } while (0)
+#define PYEP_LL_STAMP_START(p, id, last) PYEP_LL_STAMP(p, id)
+#define PYEP_LL_STAMPS_AT_ONCE(p, first, last) PYEP_LL_STAMP(p, first)
+#endif
 
 #ifdef __cplusplus
 #define PYEP_ABI_SIZE(T, n) static_assert(sizeof(T) == n, #T " is laid out as the host expects")
@@ -162,7 +224,7 @@ PYEP_ABI_SIZE(struct pyep_dispatch_params, 368);
 PYEP_ABI_SIZE(struct pyep_combine_params, 304);
 PYEP_ABI_SIZE(struct pyep_layout_params, 64);
 PYEP_ABI_SIZE(struct pyep_op_error, 64);
-PYEP_ABI_SIZE(struct pyep_ll_params, 232);
+PYEP_ABI_SIZE(struct pyep_ll_params, 240);
 PYEP_ABI_SIZE(struct pyep_ll_error, 32);
 #undef PYEP_ABI_SIZE
 
