@@ -24,6 +24,7 @@ const (
 	DebugSync     = "PYEP_DEBUG_SYNC"     // every launch waits for its kernel
 	MemHandle     = "PYEP_MEM_HANDLE"     // use_fabric's handle kind: auto, fabric or fd
 	RanksPerNode  = "PYEP_RANKS_PER_NODE" // node size: each k consecutive ranks are one node
+	LLTimeline    = "PYEP_LL_TIMELINE"    // low-latency kernels stamp their phases (a diagnosis build)
 )
 
 // Get reads name now, from the C library's environment when the core is a library of a C
@@ -56,6 +57,11 @@ func Flags() []string { return strings.Fields(os.Getenv(JITFlags)) }
 
 // Sync reports whether PYEP_DEBUG_SYNC=1 was set at start-up.
 func Sync() bool { return os.Getenv(DebugSync) == "1" }
+
+// Timeline reports whether PYEP_LL_TIMELINE=1 is set now: a low-latency engine made now runs the
+// kernels built to stamp their phases (kernels/params.h's timeline). Read once an engine, when
+// the buffer's low-latency mode is made, so Python may set it before making the Buffer.
+func Timeline() bool { return Get(LLTimeline) == "1" }
 
 // Quiet reports whether PYEP_JIT_QUIET asks for no compile reports.
 func Quiet() bool {

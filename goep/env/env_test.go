@@ -39,3 +39,10 @@ func TestNodeSize(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, n)
 }
+
+func TestTimeline(t *testing.T) {
+	for in, want := range map[string]bool{"": false, "0": false, "yes": false, "1": true} {
+		t.Setenv(LLTimeline, in)
+		assert.Equal(t, want, Timeline(), "PYEP_LL_TIMELINE=%q", in)
+	}
+}

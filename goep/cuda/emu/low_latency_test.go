@@ -190,7 +190,9 @@ func TestEmulatedLowLatencyAcrossNodes(t *testing.T) {
 	}
 }
 
-func runLL(t *testing.T, c llCase) {
+// runLL runs the case's calls on the emulated GPUs and checks them against the reference; after,
+// if given, runs after each checked dispatch and combine (with the ranks' engines).
+func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 	shape := lowlatency.Shape{MaxTokens: c.M, Hidden: c.H, NumExperts: c.E}
 	size, err := lowlatency.SizeHint(c.R, shape)
 	require.NoError(t, err)
@@ -276,6 +278,9 @@ func runLL(t *testing.T, c llCase) {
 			_ = got
 			_ = want
 		}
+		for _, f := range after {
+			f(gpu, false)
+		}
 		// Combine the dispatched rows (as bf16: for FP8 the recv rows reinterpreted are as good as any data).
 		outRef := make([][]uint16, c.R)
 		noErrors(t, each(c.R, func(r int) error {
@@ -317,6 +322,9 @@ func runLL(t *testing.T, c llCase) {
 				continue // a rank without tokens combines nothing
 			}
 			assert.Equal(t, bytesOf(outRef[r]), da[r].out.b[:n], "rank %d round %d: combined", r, round)
+		}
+		for _, f := range after {
+			f(gpu, true)
 		}
 	}
 }

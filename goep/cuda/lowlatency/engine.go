@@ -14,6 +14,7 @@ import (
 	"github.com/pyep/pyep/goep"
 	"github.com/pyep/pyep/goep/cuda"
 	"github.com/pyep/pyep/goep/cuda/driver"
+	"github.com/pyep/pyep/goep/env"
 	"github.com/pyep/pyep/goep/lowlatency"
 )
 
@@ -54,7 +55,8 @@ type Engine struct {
 	localDev driver.DevicePtr // llLocalBytes: the kernels' own counters
 	errHost  unsafe.Pointer
 	errDev   driver.DevicePtr
-	calls    uint64 // calls since clean: the next call's half is calls % 2
+	calls    uint64  // calls since clean: the next call's half is calls % 2
+	stamps   *stamps // PYEP_LL_TIMELINE=1 when the engine was made: the kernels' timeline (timeline.go); else nil
 	params   *llParams
 	dead     error
 	closed   bool
@@ -141,9 +143,18 @@ func New(b *cuda.Backend, rank int, regions []unsafe.Pointer, numBytes int64, sh
 		_ = b.Driver().MemFree(localDev)
 		return nil, err
 	}
-	return &Engine{b: b, rank: rank, n: len(regions), bytes: numBytes, base: cuda.PtrOf(regions[rank]), peersDev: peers,
+	e := &Engine{b: b, rank: rank, n: len(regions), bytes: numBytes, base: cuda.PtrOf(regions[rank]), peersDev: peers,
 		remote: remote, sharing: max(1, sharing), sms: sms, timeout: b.Timeout(), localDev: localDev, errHost: errHost, errDev: errDev,
-		params: new(llParams)}, nil
+		params: new(llParams)}
+	if env.Timeline() {
+		if e.stamps, err = newStamps(b, max(e.grid(b.NormalOptions()), sms)); err != nil {
+			_ = b.Driver().MemFree(peers)
+			_ = b.Driver().MemFree(localDev)
+			_ = b.Driver().MemFreeHost(errHost)
+			return nil, err
+		}
+	}
+	return e, nil
 }
 
 var _ goep.DeviceLowLatency = (*Engine)(nil)
@@ -185,7 +196,8 @@ func (e *Engine) Close() error {
 	if err != nil {
 		return err
 	}
-	return errors.Join(b.Driver().MemFree(e.peersDev), b.Driver().MemFree(e.localDev), b.Driver().MemFreeHost(e.errHost))
+	return errors.Join(b.Driver().MemFree(e.peersDev), b.Driver().MemFree(e.localDev), b.Driver().MemFreeHost(e.errHost),
+		e.stamps.free(b))
 }
 
 // Recv is the receive phase of a call launched with a hook.
@@ -244,10 +256,13 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 			flags |= 1 << i
 		}
 	}
-	// D: the remote build (its own module, linked with NVSHMEM's device library on a GPU).
+	// D: bit 0 the remote build (its own module, linked with NVSHMEM's device library on a GPU), bit 1 the timeline's.
 	key := cuda.KernelKey{Kernel: kernel, A: int32(c.Shape.Hidden), B: int32(c.NumTopk), C: flags, Threads: int32(opts.LowLatencyThreads)}
 	if e.remote {
-		key.D = 1
+		key.D |= 1
+	}
+	if e.stamps != nil {
+		key.D |= 2
 	}
 	f, err := e.b.Kernel(key, func() map[string]string {
 		d := map[string]string{def: "", "PYEP_LL_HIDDEN": itoa(c.Shape.Hidden), "PYEP_LL_TOPK": itoa(c.NumTopk),
@@ -255,6 +270,9 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 			"PYEP_LL_THREADS": itoa(opts.LowLatencyThreads)}
 		if e.remote {
 			d[cuda.RemoteDefine] = ""
+		}
+		if e.stamps != nil {
+			d[timelineDefine] = "1"
 		}
 		return d
 	})
@@ -279,6 +297,9 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 	if c.ZeroCopy {
 		p.zero_copy = 1
 	}
+	if e.stamps != nil {
+		p.timeline = u64(e.stamps.dev)
+	}
 	if c.Hook {
 		p.phases = llPhaseSend
 	}
@@ -295,11 +316,20 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 	return r, nil
 }
 
+// grid is the blocks of a low-latency kernel: one an SM, shared fairly among the ranks on this GPU
+// (MPS runs their kernels at once), unless o sets them.
+func (e *Engine) grid(o cuda.NormalOptions) int {
+	if o.LowLatencyBlocks > 0 {
+		return o.LowLatencyBlocks
+	}
+	return max(1, e.sms/e.sharing)
+}
+
 func (e *Engine) launch(f driver.Function, s driver.Stream, p *llParams, o cuda.NormalOptions) error {
-	grid := o.LowLatencyBlocks
-	if grid == 0 {
-		// One block an SM, shared fairly among the ranks on this GPU (MPS runs their kernels at once).
-		grid = max(1, e.sms/e.sharing)
+	grid := e.grid(o)
+	if e.stamps != nil && grid > e.stamps.blocks {
+		return fmt.Errorf("pyep: cuda: low-latency timeline: %d blocks, stamps for %d (the options changed after the buffer was made)",
+			grid, e.stamps.blocks)
 	}
 	if err := f.Launch([3]uint32{uint32(grid), 1, 1}, [3]uint32{uint32(o.LowLatencyThreads), 1, 1}, 0, s, unsafe.Pointer(p)); err != nil {
 		return err
