@@ -1,6 +1,7 @@
 package pyep
 
 import (
+	"encoding/json"
 	"fmt"
 	"strings"
 	"time"
@@ -110,4 +111,25 @@ func LowLatencyMask(id int64, op string, rank int, mask bool, query uintptr) (er
 		return err
 	}
 	return b.LowLatencyMask(op, rank, mask, query)
+}
+
+// LowLatencyTimeline reads and clears the low-latency kernels' timeline (PYEP_LL_TIMELINE=1; see
+// goep.Buffer.LowLatencyTimeline), as JSON: {"kernels": [...], "phases": [...], "stamps":
+// [[ns a stamp] a block]}, ns after the earliest stamp, -1 where absent.
+func LowLatencyTimeline(id int64) (js string, err error) {
+	defer guard("LowLatencyTimeline", &err)
+	b, err := lookup(id)
+	if err != nil {
+		return "", err
+	}
+	t, err := b.LowLatencyTimeline()
+	if err != nil {
+		return "", err
+	}
+	out, err := json.Marshal(struct {
+		Kernels []string  `json:"kernels"`
+		Phases  []string  `json:"phases"`
+		Stamps  [][]int64 `json:"stamps"`
+	}{t.Kernels, t.Phases, t.Stamps})
+	return string(out), err
 }

@@ -441,6 +441,44 @@ def test_size_hint_and_masks_need_shrink(group, num_ranks):
         buffer.destroy()
 
 
+def test_timeline_is_the_cuda_kernels(group, rank, num_ranks, monkeypatch):
+    """Buffer._low_latency_timeline, a debug API: an error on cpu (no kernels) and on a buffer made without
+    PYEP_LL_TIMELINE=1; with it, on cuda, a dispatch's stamps: every block starts and finishes each kernel, and the
+    phases it reached follow each other."""
+    R, E, M, H = num_ranks, EXPERTS_PER_RANK * num_ranks, 8, 256
+    size = pyep.Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
+    for on in (False, True):
+        monkeypatch.setenv("PYEP_LL_TIMELINE", "1" if on else "")
+        buffer = pyep.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, explicitly_destroy=True)
+        try:
+            if BACKEND != "cuda":
+                with pytest.raises(pyep.PyepError, match="the cpu backend runs no kernels"):
+                    buffer._low_latency_timeline()
+                continue
+            if not on:
+                with pytest.raises(pyep.PyepError, match="set PYEP_LL_TIMELINE=1 before the Buffer is made"):
+                    buffer._low_latency_timeline()
+                continue
+            buffer.clean_low_latency_buffer(M, H, E)
+            inp = make_inputs(7, R, [M] * R, H, E, 4)
+            dispatch(buffer, inp, rank, M, E, hook=True)[3]()
+            phases, stamps = buffer._low_latency_timeline()
+            assert stamps.dtype == torch.int64 and stamps.shape[1] == len(phases) and stamps.shape[0] > 0
+            assert int(stamps[stamps >= 0].min()) == 0
+            for kernel in ("dispatch send", "dispatch recv"):
+                cols = [i for i, (k, _) in enumerate(phases) if k == kernel]
+                assert phases[cols[0]][1] == "start" and phases[cols[-1]][1] in ("flagged", "done")
+                for row in stamps[:, cols].tolist():
+                    assert row[0] >= 0 and row[-1] >= 0, f"{kernel}: {row}"
+                    reached = [v for v in row if v >= 0]
+                    assert reached == sorted(reached), f"{kernel}: {row}"
+            combine = [i for i, (k, _) in enumerate(phases) if k.startswith("combine")]
+            assert (stamps[:, combine] == -1).all(), "no combine ran"
+            assert (buffer._low_latency_timeline()[1] == -1).all(), "a read clears the stamps"
+        finally:
+            buffer.destroy()
+
+
 def test_warnings_clean(buffer):
     """No call above left a pending timeout report."""
     with warnings.catch_warnings():

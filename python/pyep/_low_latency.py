@@ -7,6 +7,7 @@ kernels/low_latency.cu do, queued on the current stream (CUDA-graph safe), acros
 it; without it the calls raise NotAvailableError saying why). docs/low-latency.md is the
 synchronization contract. This layer checks the tensors (dtype, shape, contiguity, device) with DeepEP's rules,
 allocates the outputs and passes data addresses to the core."""
+import json
 import os
 import warnings
 from typing import Callable, Optional, Tuple, Union
@@ -447,6 +448,27 @@ class LowLatencyMixin:
         R = self.group_size
         rows = self.get_local_buffer_tensor(torch.bfloat16, offset=offset, use_rdma_buffer=True)
         return rows[:E * M * H].view(E // R, R * M, H)
+
+    def _low_latency_timeline(self) -> Tuple[list, torch.Tensor]:
+        """
+        A debug API, not DeepEP's: where the blocks of the last low-latency kernels spent their time (issue #18).
+        With `PYEP_LL_TIMELINE=1` set when the Buffer was made, the cuda backend runs kernels built to stamp
+        `%globaltimer` where each phase of each block ends (thread 0's view; `kernels/params.h` names the stamps).
+        Reads the stamps of the kernels run since the last read (of each kernel, its last run: a call, or a hooked
+        call's send and its hook) and clears them; waits for the device first. `bench/device/ll_profile.py --timeline`
+        prints them.
+
+        Returns:
+            phases: a `(kernel, phase)` pair of strings a stamp, e.g. `("dispatch send", "cast")`: each kernel's
+                ("dispatch send", "dispatch recv", "combine send", "combine recv") in phase order, its "start" first.
+            stamps: `[num_blocks, len(phases)]` with `torch.int64` on the cpu, nanoseconds after the earliest stamp
+                read, -1 where a block did not reach the phase or the kernel did not run since the last read.
+
+        Raises PyepError on the cpu backend (no kernels) and without `PYEP_LL_TIMELINE=1`.
+        """
+        got = json.loads(_core.call("LowLatencyTimeline", self._ll("_low_latency_timeline")))
+        phases = list(zip(got["kernels"], got["phases"]))
+        return phases, torch.tensor(got["stamps"], dtype=torch.int64).view(-1, len(phases))
 
     def _ll_handle(self, handle: object) -> tuple:
         """A low-latency dispatch's handle, checked: (src_info, layout_range, M, hidden, num_experts)."""
