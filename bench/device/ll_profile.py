@@ -6,10 +6,19 @@ replayed receive finds its flags set and reads the same slots.
     PYEP_BACKEND=cuda ncu --target-processes all -k regex:'dispatch|combine' --launch-skip 8 --launch-count 4 \\
         torchrun --nproc-per-node 2 bench/device/ll_profile.py
 
+With --timeline (PYEP_LL_TIMELINE=1, set here before the Buffer is made) the kernels are the timeline build, which
+stamps %globaltimer where each phase of each block ends (kernels/params.h), and the script prints, per kernel and
+phase, the median and max over blocks (and the iterations after the first) of the phase's duration (from the block's
+previous stamp) and of its end (from the kernel's earliest start on that rank), for rank 0 and the kernel's slowest
+rank (the greatest max end of its last phase):
+
+    PYEP_BACKEND=cuda torchrun --nproc-per-node 2 bench/device/ll_profile.py --timeline
+
 Each rank takes GPU local_rank % count; pyep's exchanges go over a gloo group (no NCCL kernel to filter out).
 """
 import argparse
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -22,7 +31,10 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=288)
     ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--timeline", action="store_true", help="stamp each phase of each block and print where time goes")
     args = ap.parse_args()
+    if args.timeline:
+        os.environ["PYEP_LL_TIMELINE"] = "1"  # read when the Buffer is made
     gpu = torch.cuda.is_available()  # without one (a dry run of this script) the cpu backend
     if gpu:
         os.environ.setdefault("PYEP_BACKEND", "cuda")
@@ -49,7 +61,8 @@ def main() -> None:
 
     buffer.clean_low_latency_buffer(M, H, E)
     alone()
-    for _ in range(args.iters):
+    timelines = []
+    for it in range(args.iters):
         (recv, scales), count, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=True,
                                                                               return_recv_hook=True)
         alone()
@@ -60,11 +73,78 @@ def main() -> None:
         alone()
         hook()
         alone()
+        if args.timeline:
+            phases, stamps = buffer._low_latency_timeline()
+            if it > 0:  # the first calls meet cold caches and TLBs
+                timelines.append(stamps)
+    if args.timeline:
+        report = timeline_report(phases, timelines)
+        reports = [None] * R
+        dist.all_gather_object(reports, report, group=group)
+        if rank == 0:
+            print_timeline(reports, len(timelines))
     if rank == 0:
         print(f"ll_profile: {args.iters} hooked dispatch + combine pairs on {R} ranks, {M} tokens, hidden {H}, "
               f"top-{K} of {E}", flush=True)
     buffer.destroy()
     dist.destroy_process_group()
+
+
+def timeline_report(phases: list, timelines: list) -> dict:
+    """This rank's statistics, by kernel: its phases, each with the durations and ends (ns) of every block of every
+    iteration that reached it, and the kernel's blocks; also the smallest step seen between two stamps (the timer's
+    resolution, or less)."""
+    out = {"kernels": {}, "step": None}
+    for stamps in timelines:
+        values = sorted(set(stamps[stamps >= 0].tolist()))
+        steps = [b - a for a, b in zip(values, values[1:]) if b > a]
+        if steps:
+            out["step"] = min(steps + ([out["step"]] if out["step"] else []))
+        for kernel in dict.fromkeys(k for k, _ in phases):
+            cols = [i for i, (k, _) in enumerate(phases) if k == kernel]
+            rows = stamps[:, cols].tolist()
+            starts = [r[0] for r in rows if r[0] >= 0]
+            if not starts:
+                continue
+            t0 = min(starts)
+            k = out["kernels"].setdefault(kernel, {"phases": [phases[i][1] for i in cols], "blocks": len(starts),
+                                                   "dur": [[] for _ in cols], "end": [[] for _ in cols]})
+            for r in rows:
+                prev = None
+                for j, v in enumerate(r):
+                    if v < 0:
+                        continue
+                    k["end"][j].append(v - t0)
+                    if prev is not None:
+                        k["dur"][j].append(v - prev)
+                    prev = v
+    return out
+
+
+def print_timeline(reports: list, iters: int) -> None:
+    """Rank 0's and each kernel's slowest rank's phases: median and max over blocks of duration and end, in µs."""
+    def stats(v: list) -> str:
+        return f"{statistics.median(v) / 1e3:7.2f} {max(v) / 1e3:7.2f}" if v else f"{'-':>7} {'-':>7}"
+
+    steps = [r["step"] for r in reports if r["step"]]
+    print(f"ll_profile --timeline: {iters} iterations a rank after the first, each kernel alone; per phase, median "
+          f"and max over blocks (and iterations) of its duration (since the block's previous stamp) and of its end "
+          f"(since the kernel's first block started), in µs; the smallest step between two stamps was "
+          f"{min(steps) if steps else '-'} ns", flush=True)
+    for kernel in reports[0]["kernels"]:
+        def last_end(r: int) -> float:
+            k = reports[r]["kernels"].get(kernel)
+            return max(k["end"][-1], default=0) if k else 0
+        slow = max(range(len(reports)), key=last_end)
+        k0, ks = reports[0]["kernels"][kernel], reports[slow]["kernels"][kernel]
+        print(f"\n{kernel}: {k0['blocks']} blocks; rank 0 ends by {last_end(0) / 1e3:.2f} µs, the slowest rank "
+              f"({slow}) by {last_end(slow) / 1e3:.2f} µs")
+        print(f"  {'phase':<10} | {'rank 0: dur med max':>21} {'end med max':>15} | {f'rank {slow}: dur med max':>21} "
+              f"{'end med max':>15}")
+        for j, phase in enumerate(k0["phases"]):
+            print(f"  {phase:<10} | {stats(k0['dur'][j]):>21} {stats(k0['end'][j]):>15} | {stats(ks['dur'][j]):>21} "
+                  f"{stats(ks['end'][j]):>15}")
+    print(flush=True)
 
 
 if __name__ == "__main__":

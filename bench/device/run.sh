@@ -17,6 +17,8 @@
 #                    take the process's group)
 #   ncu-ll:N         Nsight Compute over pyep's hooked low-latency kernels (bench/device/ll_profile.py, each
 #                    kernel alone), compiled with -lineinfo: $RES/ncu-ll.ncu-rep and a summary
+#   timeline:N       the same calls with the kernels' timeline (PYEP_LL_TIMELINE=1, ll_profile.py --timeline):
+#                    per kernel and phase, where each block's time goes, rank 0 and the slowest rank
 # Environment: DEEPEP_SRC (default .deepep: DeepEP V1's source, git archive 9249c25), RES (logs, default
 # /tmp/res), OUT (where res.tgz, all of RES, is written after every stage: the device tool's folder), STAGE_TIMEOUT (seconds a
 # stage may take, default 420). Every stage's output goes to $RES/<stage>.log; a failed stage does not stop
@@ -117,6 +119,10 @@ ncu_ll() {  # N
         grep -E 'pyep|Duration|Elapsed Cycles|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Grid Size|Block Size|Stall|Warp Cycles Per Issued'
 }
 
+timeline() {  # N
+    PYEP_TIMEOUT_S=60 torchrun --nproc-per-node "$1" bench/device/ll_profile.py --timeline --iters 20
+}
+
 for stage in "$@"; do
     IFS=: read -r name a b <<<"$stage"
     log="$RES/$(echo "$stage" | tr ':' '-').log"
@@ -130,6 +136,7 @@ for stage in "$@"; do
         ll-bench) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f bench_run deepep_ready); bench_run $a --ll" ;;
         nodes) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f nodes); nodes $a $b" ;;
         ncu-ll) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f ncu_ll); ncu_ll $a" ;;
+        timeline) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f timeline); timeline $a" ;;
         *) echo "unknown stage $stage"; false ;;
     esac > >(tee "$log") 2>&1
     rc=$?
