@@ -55,6 +55,13 @@ type RDMARegion interface {
 	Close() error
 }
 
+// DeviceTokens is a device backend whose buffers without an NVLink region still tell their peers
+// which GPU they run on: the token goes in the handle's Token (nothing maps it), so that a
+// low-latency engine across nodes learns which ranks share its GPU.
+type DeviceTokens interface {
+	DeviceToken() []byte
+}
+
 // PeerChecker is an optional Backend method that Buffer.Sync calls before opening any peer:
 // tokens[i] is NVLink rank i's token (tokens[nvlRank] this rank's own), ranks their group ranks.
 // The cuda backend checks there that every pair of GPUs is joined by NVLink.

@@ -156,6 +156,8 @@ func (b *Buffer) localHandle() []byte {
 	h := Handle{Backend: b.backend.Name(), Rank: b.topo.Rank, NumRanks: b.topo.NumRanks}
 	if b.local != nil {
 		h.Size, h.Token = b.params.NumNVLBytes, b.local.Token()
+	} else if dt, ok := b.backend.(DeviceTokens); ok {
+		h.Token = dt.DeviceToken() // Size 0: nothing to map, only the GPU
 	}
 	if b.ll != nil && b.ll.local != nil {
 		h.RDMASize, h.RDMAToken = b.params.NumRDMABytes, b.ll.local.Token()

@@ -406,3 +406,39 @@ func TestNewBufferRDMAFailure(t *testing.T) {
 	assert.EqualError(t, err, "rank 0: allocate 1048576 RDMA-buffer bytes on stub: stub: out of memory")
 	assert.Equal(t, []string{"allocate nvl 0", "allocate nvl 0", "allocate nvl 0", "close nvl 0"}, w.events())
 }
+
+// devTokenBackend is the stub with DeviceTokens: its buffers without an NVLink region name their
+// GPU in their handles.
+type devTokenBackend struct{ *symBackend }
+
+func (d devTokenBackend) DeviceToken() []byte { return []byte(fmt.Sprintf("gpu-of-%d", d.rank)) }
+
+// With num_nvl_bytes = 0 (DeepEP's usual low-latency setup) the engine across nodes still gets
+// every rank's GPU from the handles, so that it knows which ranks share its GPU.
+func TestNVSHMEMDeviceTokens(t *testing.T) {
+	const n = 4
+	w := newSymWorld()
+	m := &stubMaker{w: w}
+	bufs, handles := make([]*Buffer, n), make([][]byte, n)
+	for r := range n {
+		b, err := NewBuffer(Params{Rank: r, NumRanks: n, NumRDMABytes: symRDMABytes, LowLatencyMode: true, RanksPerNode: 2,
+			Engines: Engines{LowLatency: m.maker}}, devTokenBackend{&symBackend{w: w, rank: r}})
+		require.NoError(t, err)
+		bufs[r] = b
+		handles[r], err = b.LocalIPCHandle()
+		require.NoError(t, err)
+	}
+	root, err := bufs[0].LocalNVSHMEMUniqueID()
+	require.NoError(t, err)
+	for r := range n {
+		require.NoError(t, bufs[r].Sync(make([]int, n), handles, root))
+	}
+	require.Len(t, m.made, n)
+	for _, e := range m.made {
+		assert.Equal(t, [][]byte{[]byte("gpu-of-0"), []byte("gpu-of-1"), []byte("gpu-of-2"), []byte("gpu-of-3")}, e.tokens,
+			"rank %d's engine", e.env.Topo.Rank)
+	}
+	for _, b := range bufs {
+		require.NoError(t, b.Destroy())
+	}
+}

@@ -107,6 +107,8 @@ func (b *Backend) Open(raw []byte, size int64) (goep.Region, error) {
 	switch {
 	case err != nil:
 		return nil, err
+	case t.Kind == kindDevice:
+		return nil, errors.New("the peer's handle names its GPU only: it has no NVLink buffer (num_nvl_bytes = 0 there)")
 	case t.Size != size:
 		return nil, fmt.Errorf("the peer's buffer has %d bytes: expected %d", t.Size, size)
 	case t.Host != b.host:

@@ -23,6 +23,9 @@ const (
 	kindFD memKind = 2
 	// kindFabric: cuMemCreate, shared through a fabric handle (use_fabric).
 	kindFabric memKind = 3
+	// kindDevice: no memory, only the GPU it names (BusID, Host): a buffer without an NVLink
+	// region tells its peers which GPU it runs on (DeviceToken), which nothing can map.
+	kindDevice memKind = 4
 )
 
 func (k memKind) String() string {
@@ -33,6 +36,8 @@ func (k memKind) String() string {
 		return "POSIX file descriptor"
 	case kindFabric:
 		return "fabric"
+	case kindDevice:
+		return "device only"
 	}
 	return fmt.Sprintf("memory kind %d", uint8(k))
 }
@@ -123,7 +128,7 @@ func decodeToken(raw []byte) (token, error) {
 	}
 	t.BusID, t.Host, t.Process, t.Socket = fields[0], fields[1], fields[2], fields[3]
 	switch {
-	case t.Kind != kindIPC && t.Kind != kindFD && t.Kind != kindFabric:
+	case t.Kind != kindIPC && t.Kind != kindFD && t.Kind != kindFabric && t.Kind != kindDevice:
 		return token{}, fmt.Errorf("token of pyep's cuda backend with an unknown memory kind %d", raw[7])
 	case t.Size < 0 || t.Size > math.MaxInt64-allocationBytes(0) || t.Mapped < allocationBytes(t.Size) || t.Mapped != int64(int(t.Mapped)):
 		return token{}, fmt.Errorf("token of pyep's cuda backend with %d data bytes in a %d-byte allocation", t.Size, t.Mapped)
@@ -143,6 +148,13 @@ func hostID() string {
 	}
 	name, _ := os.Hostname()
 	return "host:" + name
+}
+
+// DeviceToken implements goep.DeviceTokens: a token of this GPU and host that maps nothing
+// (kindDevice), which a buffer without an NVLink region puts in its handle, so that the
+// low-latency engine learns which ranks share its GPU (RanksOnDevice) across nodes too.
+func (b *Backend) DeviceToken() []byte {
+	return token{Kind: kindDevice, Mapped: allocationBytes(0), BusID: b.busID, Host: b.host, Process: b.process}.encode()
 }
 
 // RanksOnDevice counts the tokens (every rank's, from Sync's handles) of buffers on this GPU:

@@ -182,3 +182,18 @@ func TestRanksOnDevice(t *testing.T) {
 		on("0000:2C:00.0", "boot-a"), nil, []byte("not a token")}
 	assert.Equal(t, 2, b.RanksOnDevice(tokens))
 }
+
+// A buffer without an NVLink region hands its peers a device token: it decodes, names this GPU
+// and host (RanksOnDevice counts it), and maps nothing (Open refuses it, naming why).
+func TestDeviceToken(t *testing.T) {
+	b := &Backend{busID: "0000:1B:00.0", host: "boot-a", process: "7"}
+	raw := b.DeviceToken()
+	tok, err := decodeToken(raw)
+	require.NoError(t, err)
+	assert.Equal(t, token{Kind: kindDevice, Mapped: allocationBytes(0), BusID: "0000:1B:00.0", Host: "boot-a", Process: "7"}, tok)
+	other := &Backend{busID: "0000:1B:00.0", host: "boot-b", process: "8"}
+	assert.Equal(t, 2, b.RanksOnDevice([][]byte{raw, (&Backend{busID: "0000:1B:00.0", host: "boot-a", process: "9"}).DeviceToken(),
+		other.DeviceToken()}))
+	_, err = b.Open(other.DeviceToken(), 0)
+	assert.EqualError(t, err, "the peer's handle names its GPU only: it has no NVLink buffer (num_nvl_bytes = 0 there)")
+}
