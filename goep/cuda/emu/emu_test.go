@@ -280,15 +280,10 @@ func (c rcase) inputs(r int) (topk []int64, w []float32, x []byte, scales []floa
 	es := c.dtype.Size()
 	x = make([]byte, T*c.hidden*es)
 	for i := 0; i < T*c.hidden; i++ {
-		v := float32(rng.NormFloat64() * 3)
-		switch c.dtype {
-		case dlpack.BF16:
-			binary.LittleEndian.PutUint16(x[2*i:], normal.F32ToBF16(v))
-		case dlpack.F16:
-			binary.LittleEndian.PutUint16(x[2*i:], normal.F32ToF16(v))
-		case dlpack.F32:
-			binary.LittleEndian.PutUint32(x[4*i:], math.Float32bits(v))
-		default:
+		if c.dtype == dlpack.BF16 || c.dtype == dlpack.F16 || c.dtype == dlpack.F32 {
+			putFloat(x, c.dtype, i, float32(rng.NormFloat64()*3))
+		} else {
+			_ = rng.NormFloat64()             // the same draws whatever the dtype
 			x[i] = byte(rng.IntN(256) & 0x77) // finite e4m3 patterns
 		}
 	}
@@ -316,4 +311,16 @@ func normalDType(d dlpack.DType) normal.DType {
 		return normal.Float32
 	}
 	return normal.BFloat16
+}
+
+// putFloat stores v as element i of b, a tensor of dtype BF16, F16 or F32 (rounded as PyTorch does).
+func putFloat(b []byte, dtype dlpack.DType, i int, v float32) {
+	switch dtype {
+	case dlpack.BF16:
+		binary.LittleEndian.PutUint16(b[2*i:], normal.F32ToBF16(v))
+	case dlpack.F16:
+		binary.LittleEndian.PutUint16(b[2*i:], normal.F32ToF16(v))
+	default:
+		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(v))
+	}
 }

@@ -161,15 +161,7 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 			default:
 				v = float32(int8(recv[i])) / 8
 			}
-			v *= float32(r+1) / 4
-			switch cdt {
-			case dlpack.BF16:
-				binary.LittleEndian.PutUint16(out[2*i:], normal.F32ToBF16(v))
-			case dlpack.F16:
-				binary.LittleEndian.PutUint16(out[2*i:], normal.F32ToF16(v))
-			default:
-				binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(v))
-			}
+			putFloat(out, cdt, i, v*(float32(r+1)/4))
 		}
 		return out
 	}
@@ -181,15 +173,7 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 		for i := 0; i < c.bias; i++ {
 			b := make([]byte, d.T*c.hidden*ces)
 			for j := 0; j < d.T*c.hidden; j++ {
-				v := float32(rng.NormFloat64())
-				switch cdt {
-				case dlpack.BF16:
-					binary.LittleEndian.PutUint16(b[2*j:], normal.F32ToBF16(v))
-				case dlpack.F16:
-					binary.LittleEndian.PutUint16(b[2*j:], normal.F32ToF16(v))
-				default:
-					binary.LittleEndian.PutUint32(b[4*j:], math.Float32bits(v))
-				}
+				putFloat(b, cdt, j, float32(rng.NormFloat64()))
 			}
 			o.biases = append(o.biases, b)
 		}
