@@ -210,14 +210,19 @@ func isDir(p string) bool {
 var identities sync.Map
 
 // treeIdentity is the hex SHA-256 of every regular file under dir (a link to a file counts as
-// the file), by relative name, size and modification time.
+// the file), by relative name, size and modification time. dir may be a link to a directory, as
+// a CUDA toolkit's include is (to targets/<platform>/include).
 func treeIdentity(dir string) (string, error) {
 	if v, ok := identities.Load("tree " + dir); ok {
 		return v.(string), nil
 	}
+	root, err := filepath.EvalSymlinks(dir)
+	if err != nil {
+		return "", err
+	}
 	h := sha256.New()
 	n := 0
-	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+	err = filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
@@ -228,7 +233,7 @@ func treeIdentity(dir string) (string, error) {
 		if err != nil || !st.Mode().IsRegular() {
 			return nil // a dangling link or a special file: no header of ours
 		}
-		rel, _ := filepath.Rel(dir, p)
+		rel, _ := filepath.Rel(root, p)
 		fmt.Fprintf(h, "%s\x00%d\x00%d\n", filepath.ToSlash(rel), st.Size(), st.ModTime().UnixNano())
 		n++
 		return nil

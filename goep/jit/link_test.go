@@ -272,3 +272,24 @@ func TestLinkedHeadersUnderPrefix(t *testing.T) {
 	assert.Equal(t, "k.cu", got.Name)
 	assert.Equal(t, "#include \"utils.cuh\"\n#include <nvshmem.h>\n  # include \"b.cuh\"\n", src.Text, "the source is not modified")
 }
+
+// An include directory that is a link to a directory (a CUDA toolkit's include is one, to
+// targets/<platform>/include) has the identity of the directory it names.
+func TestTreeIdentityFollowsLinkedDirectory(t *testing.T) {
+	root := t.TempDir()
+	real := filepath.Join(root, "targets", "include")
+	require.NoError(t, os.MkdirAll(filepath.Join(real, "cuda", "std"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(real, "cuda_runtime.h"), []byte("// runtime"), 0o644))
+	require.NoError(t, os.Symlink(real, filepath.Join(root, "include")))
+	viaLink, err := treeIdentity(filepath.Join(root, "include"))
+	require.NoError(t, err)
+	direct, err := treeIdentity(real)
+	require.NoError(t, err)
+	assert.Equal(t, direct, viaLink)
+
+	_, err = treeIdentity(filepath.Join(root, "targets", "cuda"))
+	assert.Error(t, err, "a missing directory")
+	require.NoError(t, os.MkdirAll(filepath.Join(root, "empty"), 0o755))
+	_, err = treeIdentity(filepath.Join(root, "empty"))
+	assert.ErrorContains(t, err, "has no files")
+}
