@@ -457,6 +457,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         }
         PYEP_LL_STAMP(p, PYEP_LL_DS_FLAGGED);
     }
+    if (b >= T && owned == 0) PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_SETTLED, PYEP_LL_DS_FLAGGED);  // a block with nothing to do
 }
 
 // Receive: a unit is a pair (local expert j, source s); its rows follow those of the sources before
@@ -644,6 +645,7 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
         }
         PYEP_LL_STAMP(p, PYEP_LL_CS_FLAGGED);
     }
+    if (static_cast<int>(blockIdx.x) >= L * R) PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_CS_ADMITTED, PYEP_LL_CS_FLAGGED);  // no pair
 }
 
 // Receive: every block waits for every unmasked expert's flag (a thread each); the threads that

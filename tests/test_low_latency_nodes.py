@@ -55,6 +55,21 @@ def test_rank_arithmetic_follows_ranks_per_node(group, rank, num_ranks, monkeypa
         with pytest.raises(ValueError, match=rf"nvl_rank = {k}: expected 0 <= nvl_rank < {k}"):
             buffer.get_peer_buffer_tensor(k, torch.uint8)
         if num_ranks // k > 1:
+            # The layout runs across nodes: num_tokens_per_rdma_rank counts a token once for each node it goes to.
+            N, E, T = num_ranks // k, 4 * num_ranks, 37
+            g = torch.Generator().manual_seed(11 + rank)
+            topk = torch.rand(T, E, generator=g).topk(3, dim=1).indices
+            topk[::5, 1] = -1
+            per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk.to(buffer._device), E)
+            ref_in_rank = torch.zeros(T, num_ranks, dtype=torch.bool)
+            for t, row in enumerate(topk.tolist()):
+                for e in row:
+                    if e >= 0:
+                        ref_in_rank[t, e // (E // num_ranks)] = True
+            assert torch.equal(in_rank.cpu(), ref_in_rank)
+            assert per_rank.tolist() == ref_in_rank.sum(0).tolist()
+            assert per_node.dtype == torch.int32 and per_node.tolist() == ref_in_rank.view(T, N, k).any(2).sum(0).tolist()
+            assert per_expert.tolist() == torch.bincount(topk[topk >= 0], minlength=E).tolist()
             x = torch.zeros(4, 128, dtype=torch.bfloat16, device=buffer._device)
             hint = rf"the {num_ranks} ranks are {num_ranks // k} nodes because PYEP_RANKS_PER_NODE={k}"
             with pytest.raises(pyep.NotAvailableError, match=rf"^Buffer\.internode_dispatch: normal mode across .*; {hint}"):

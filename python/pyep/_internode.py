@@ -22,6 +22,16 @@ def nodes_hint(runtime) -> str:
     return hint + (": unset it to run them as one node" if runtime.num_ranks <= 8 else "")
 
 
+def tokens_per_node(topk_idx: torch.Tensor, num_experts: int, num_nodes: int) -> torch.Tensor:
+    """get_dispatch_layout's num_tokens_per_rdma_rank: `[num_nodes]` int32, the tokens with at least one of their top-k
+    experts on each node (a token counts once for a node however many of its ranks it goes to). Computed from topk_idx
+    on the caller's stream, where topk_idx is ready."""
+    T = topk_idx.size(0)
+    node = torch.where(topk_idx >= 0, topk_idx // (num_experts // num_nodes), num_nodes)  # num_nodes: no expert
+    hit = torch.zeros((T, num_nodes + 1), dtype=torch.bool, device=topk_idx.device).scatter_(1, node, True)
+    return hit[:, :num_nodes].sum(0, dtype=torch.int32)
+
+
 class InternodeMixin:
     """Buffer's internode methods (see the module's docstring)."""
 

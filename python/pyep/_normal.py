@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from . import _core, tuning
+from ._internode import tokens_per_node
 from .config import Config
 from .utils import EventHandle, EventOverlap
 
@@ -299,7 +300,7 @@ class NormalMode:
         per_rank = block.as_strided((R,), (1,), 0)
         per_expert = block.as_strided((E,), (1,), R)
         in_rank = _rows(block.view(torch.bool), at_in_rank, T, R)
-        per_rdma_rank = per_rank.view(-1, 8).sum(1, dtype=torch.int32) if self._multi_domain else None
+        per_rdma_rank = tokens_per_node(topk_idx, E, self.runtime.get_num_rdma_ranks()) if self._multi_domain else None
         # A dispatch that gets these tensors back unchanged (the same objects, their version counters where they were)
         # takes their descriptions from here instead of reading them again: a description costs about a microsecond.
         dev = self._device_code
