@@ -523,7 +523,7 @@ func TestBufferOverCudaBackend(t *testing.T) {
 func TestNVMLProbeErrors(t *testing.T) {
 	_, _, err := cuda.NVML().NVLinkP2P("0000:ff:1f.7", "0000:fe:1f.7")
 	require.Error(t, err)
-	assert.Contains(t, err.Error(), "NVML")
+	assert.Contains(t, strings.ToLower(err.Error()), "nvml", "without NVML it names NVML; with it, the NVML call that refused")
 	t.Log(err)
 }
 
