@@ -279,7 +279,8 @@ class NormalMode:
 
         Returns:
             num_tokens_per_rank: `[num_ranks]` with `torch.int`, the tokens sent to each rank.
-            num_tokens_per_rdma_rank: None within one node (`[num_rdma_ranks]` with `torch.int` across nodes).
+            num_tokens_per_rdma_rank: None within one node; across nodes `[num_rdma_ranks]` with `torch.int`, the tokens
+                with at least one of their experts on each node.
             num_tokens_per_expert: `[num_experts]` with `torch.int`, the tokens sent to each expert.
             is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
             event: the event of the computation (set when `async_finish`).
