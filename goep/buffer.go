@@ -159,8 +159,12 @@ func (b *Buffer) localHandle() []byte {
 	} else if dt, ok := b.backend.(DeviceTokens); ok {
 		h.Token = dt.DeviceToken() // Size 0: nothing to map, only the GPU
 	}
-	if b.ll != nil && b.ll.local != nil {
-		h.RDMASize, h.RDMAToken = b.params.NumRDMABytes, b.ll.local.Token()
+	if b.ll != nil {
+		// Over NVSHMEM the region is made at sync (no token yet), but the size is still checked.
+		h.RDMASize = b.params.NumRDMABytes
+		if b.ll.local != nil {
+			h.RDMAToken = b.ll.local.Token()
+		}
 	}
 	return h.Encode()
 }

@@ -73,6 +73,9 @@ func (b *Buffer) openSymmetric(handles [][]byte, root []byte) error {
 	if maker == nil {
 		return nil // no device engine: the calls say the mode is not available
 	}
+	if err := b.sameRDMABytes(handles); err != nil {
+		return err
+	}
 	region, err := sb.OpenSymmetric(root, t.Rank, t.NumRanks, b.params.NumRDMABytes)
 	if IsNotAvailable(err) {
 		ll.unavailable = err
@@ -93,6 +96,27 @@ func (b *Buffer) openSymmetric(handles [][]byte, root []byte) error {
 	}
 	d.SetTimeout(ll.timeout)
 	ll.device, b.rdma = d, region
+	return nil
+}
+
+// sameRDMABytes checks, before NVSHMEM's collective allocation (whose sizes must agree), that
+// every rank whose handle is given made its buffer with this rank's num_rdma_bytes. Every rank
+// sees a difference, so none enters the allocation.
+func (b *Buffer) sameRDMABytes(handles [][]byte) error {
+	for r, raw := range handles {
+		if r == b.topo.Rank || raw == nil {
+			continue
+		}
+		h, err := DecodeHandle(raw)
+		if err != nil || h.Rank != r {
+			return Argf("ipc_handles[%d]: not rank %d's get_local_ipc_handle() of this group's buffers", r, r)
+		}
+		if h.RDMASize != b.params.NumRDMABytes {
+			return Argf("ipc_handles[%d]: rank %d made its buffer with num_rdma_bytes = %d, this rank with %d: expected "+
+				"the same num_rdma_bytes on every rank (NVSHMEM allocates the region on all of them at once)", r, r,
+				h.RDMASize, b.params.NumRDMABytes)
+		}
+	}
 	return nil
 }
 

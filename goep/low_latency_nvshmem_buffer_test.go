@@ -442,3 +442,30 @@ func TestNVSHMEMDeviceTokens(t *testing.T) {
 		require.NoError(t, b.Destroy())
 	}
 }
+
+// Ranks that made their buffers with different num_rdma_bytes: every rank's sync says so, naming
+// the argument, before any rank enters NVSHMEM (whose allocation is collective and would not
+// agree), and nothing is left open.
+func TestNVSHMEMMismatchedRDMABytes(t *testing.T) {
+	g := newSymGroup(t, 2, 1, 0, false)
+	be := &symBackend{w: g.w, rank: 1}
+	other, err := NewBuffer(Params{Rank: 1, NumRanks: 2, NumRDMABytes: 2 * symRDMABytes, LowLatencyMode: true,
+		RanksPerNode: 1, Engines: Engines{LowLatency: g.m.maker}}, be)
+	require.NoError(t, err)
+	h, err := other.LocalIPCHandle()
+	require.NoError(t, err)
+	g.bufs[1], g.backends[1], g.handles[1] = other, be, h
+	for r := range 2 {
+		err := g.sync(r)
+		require.Error(t, err, "rank %d", r)
+		assert.True(t, IsArgument(err), err.Error())
+		assert.Contains(t, err.Error(), fmt.Sprintf("ipc_handles[%d]: rank %d made its buffer with num_rdma_bytes = ", 1-r, 1-r))
+		assert.Contains(t, err.Error(), "expected the same num_rdma_bytes on every rank")
+		assert.Empty(t, g.backends[r].opens, "rank %d entered NVSHMEM", r)
+		assert.False(t, g.bufs[r].IsAvailable())
+	}
+	assert.Empty(t, g.m.made)
+	for r := range 2 {
+		require.NoError(t, g.bufs[r].Destroy())
+	}
+}
