@@ -101,6 +101,7 @@ def test_peer_dies(group, backend, when, mode):
     if group.rank() == 0:
         env = dict(os.environ, PYEP_BACKEND=backend, PYEP_TIMEOUT_S=str(TIMEOUT_S))
         nvshmem = mode == "ll-nodes" and backend == "cuda"
+        env.pop("PYEP_RANKS_PER_NODE", None)  # the case's own, below
         if mode == "ll-nodes":
             env.update(PYEP_RANKS_PER_NODE="1", NVSHMEM_REMOTE_TRANSPORT="none", NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo")
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -10,11 +10,12 @@
 #   deepep-tests:N   DeepEP's tests/test_intranode.py and test_low_latency.py, unmodified, --num-processes N:
 #                    on pyep (bench/deepep/run_deepep_test.sh), then on DeepEP itself
 #   bench:N          python -m pyep.bench --quick with N ranks: pyep, NCCL's baseline, and DeepEP when it built
-#   ll-bench:N       python -m pyep.bench --quick --ll with N ranks (pyep and DeepEP)
-#   nodes:N:K        low-latency mode across nodes emulated with PYEP_RANKS_PER_NODE (NVSHMEM, no NIC: remote
-#                    transport none, bootstrap over lo): the across-nodes test files with N ranks (nodes-N-ranks/),
-#                    then python -m pyep.bench --quick --ll --impls pyep --ll-nodes K (DeepEP's NVSHMEM would
-#                    take the process's group)
+#   ll-bench:N[:K]   python -m pyep.bench --quick --ll with N ranks (pyep and DeepEP); with K, also pyep's rows on
+#                    emulated nodes of K ranks (--ll-nodes K)
+#   nodes:N:K        low-latency mode across nodes emulated with PYEP_RANKS_PER_NODE=K (NVSHMEM, no NIC: remote
+#                    transport none, bootstrap over lo): the low-latency test files with N ranks, every buffer made
+#                    with PYEP_RANKS_PER_NODE=K (nodes-N-ranks/), then python -m pyep.bench --quick --ll --impls pyep
+#                    --ll-nodes K
 #   ncu-ll:N         Nsight Compute over pyep's hooked low-latency kernels (bench/device/ll_profile.py, each
 #                    kernel alone), compiled with -lineinfo: $RES/ncu-ll.ncu-rep and a summary
 #   timeline:N       the same calls with the kernels' timeline (PYEP_LL_TIMELINE=1, ll_profile.py --timeline):
@@ -97,14 +98,16 @@ deepep_tests() {  # N
 bench_run() {  # N extra-args...
     local n=$1; shift
     deepep_ready || echo "DeepEP did not build: the bench records why its column is missing"
-    PYTHONPATH=/tmp/deepep:${PYTHONPATH:-} python3 -m pyep.bench --quick --nprocs "$n" --out "$RES/bench-$n$*" "$@" | tr -d '\r'
+    PYTHONPATH=/tmp/deepep:${PYTHONPATH:-} python3 -m pyep.bench --quick --nprocs "$n" --out "$RES/bench-$n$(echo "$*" | tr -d ' ')" "$@" | tr -d '\r'
 }
 
 nodes() {  # N K
     export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo
     local rc=0
-    PYEP_TEST_DEVICE=cuda torchrun --nproc-per-node "$1" --log-dir "$RES/nodes-$1-ranks" --redirects 3 --tee 3 \
-        -m pytest -q -rfEs -p no:cacheprovider tests/test_low_latency_nodes.py tests/test_runtime_sequence.py || rc=1
+    PYEP_RANKS_PER_NODE="$2" PYEP_TEST_DEVICE=cuda torchrun --nproc-per-node "$1" --log-dir "$RES/nodes-$1-ranks" \
+        --redirects 3 --tee 3 -m pytest -q -rfEs -p no:cacheprovider tests/test_low_latency.py \
+        tests/test_low_latency_graphs.py tests/test_low_latency_nodes.py tests/test_runtime_sequence.py \
+        tests/test_peer_death.py || rc=1
     python3 -m pyep.bench --quick --ll --impls pyep --ll-nodes "$2" --nprocs "$1" --out "$RES/bench-$1-nodes-$2" |
         tr -d '\r' || rc=1
     return $rc
@@ -133,7 +136,7 @@ for stage in "$@"; do
         suite) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f suite mps_on mps_off); suite $a ${b:-}" ;;
         deepep-tests) deepep_tests "$a" ;;
         bench) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f bench_run deepep_ready); bench_run $a" ;;
-        ll-bench) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f bench_run deepep_ready); bench_run $a --ll" ;;
+        ll-bench) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f bench_run deepep_ready); bench_run $a --ll ${b:+--ll-nodes $b}" ;;
         nodes) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f nodes); nodes $a $b" ;;
         ncu-ll) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f ncu_ll); ncu_ll $a" ;;
         timeline) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f timeline); timeline $a" ;;
