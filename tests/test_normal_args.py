@@ -179,3 +179,28 @@ def test_layout_tensors_changed_in_place_are_read_again(group, device, setup):
     recv, *_ = buffer.dispatch(x, **layout, topk_idx=mine, topk_weights=w)
     good_call(group, device, buffer)
     dist.barrier(group)
+
+
+def test_fp8_dispatch_without_config_takes_the_tuned_fp8_entry(group, device, setup, monkeypatch, tmp_path):
+    # A dispatch of FP8 rows without a config runs with the tuning file's dispatch_fp8 entry for Buffer.num_sms (the
+    # BF16 dispatch keeps its own); here an entry whose receive chunk is too large for the buffer shows which it took.
+    from pyep import tuning
+    buffer, x, topk, w, E, layout, _ = setup
+    R, H, sms = group.size(), x.size(1), pyep.Buffer.num_sms
+    cfg = pyep.Buffer.get_dispatch_config(R)
+    big = (sms, cfg.num_max_nvl_chunked_send_tokens, 8 * cfg.num_max_nvl_chunked_recv_tokens, 6, 128)
+    table = tuning.make_table(R, tuning.device_name(), {(H, "dispatch_fp8"): {big: (1.0, 1.0)}}, default_hidden=H,
+                              source={"tokens": [x.size(0)]})
+    monkeypatch.setenv(tuning.ENV_FILE, str(tmp_path / "tuning.json"))
+    tuning.save(table)
+    try:
+        fp8 = (x.to(torch.float8_e4m3fn), torch.rand(x.size(0), H // 128, device=device))
+        with pytest.raises(ValueError, match=rf"num_nvl_bytes = \d+ is too small: .*num_max_nvl_chunked_recv_tokens={big[2]}"):
+            buffer.dispatch(fp8, **layout, topk_idx=topk, topk_weights=w)
+        buffer.dispatch(x, **layout, topk_idx=topk, topk_weights=w)  # BF16: the dispatch table's config
+    finally:
+        (tmp_path / "tuning.json").unlink()
+        tuning.clear_cache()
+    buffer.dispatch(fp8, **layout, topk_idx=topk, topk_weights=w)  # no file: the dispatch's config again
+    good_call(group, device, buffer)
+    dist.barrier(group)

@@ -176,6 +176,9 @@ class NormalMode:
         if fields is None:
             if kind == "dispatch":
                 fields = self.get_dispatch_config(self.group_size)._fields()
+            elif kind == "dispatch_fp8":  # a tuning file's FP8 entry where it has one, else the dispatch's
+                tuned = tuning.load_tuned("dispatch_fp8", self.group_size, type(self).num_sms)
+                fields = (tuned or self.get_dispatch_config(self.group_size))._fields()
             else:
                 fields = (2 * channels,) + self.get_combine_config(self.group_size)._fields()[1:]
             self._configs[key] = fields
@@ -380,7 +383,7 @@ class NormalMode:
         if handle is not None:
             return self._dispatch_cached(x, scales, handle, topk_idx, topk_weights, config, previous_event, async_finish,
                                          allocate_on_comm_stream)
-        f0, f1, f2, f3, f4 = self._fields(config, "dispatch")
+        f0, f1, f2, f3, f4 = self._fields(config, "dispatch" if scales is None else "dispatch_fp8")
         stream, event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
         xp, xt, xv, xn, T, H, xs0, xs1 = _desc2("x" if scales is None else "x[0]", x)
         sp, st, sv, sn, s0, S, ss0, ss1 = _desc2("x[1]", scales)
@@ -468,7 +471,7 @@ class NormalMode:
         if topk_idx is not None or topk_weights is not None:
             raise ValueError("topk_idx, topk_weights: must be None with a handle (cached dispatch)")
         _, T, C, rows, rank_prefix, channel_prefix, _, _, in_rank, _ = self._handle_meta(handle)
-        f0, f1, f2, f3, f4 = self._fields(config, "dispatch")
+        f0, f1, f2, f3, f4 = self._fields(config, "dispatch" if scales is None else "dispatch_fp8")
         stream, event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
         xp, xt, xv, xn, xT, H, xs0, xs1 = _desc2("x" if scales is None else "x[0]", x)
         sp, st, sv, sn, s0, S, ss0, ss1 = _desc2("x[1]", scales)

@@ -63,5 +63,6 @@ class DeepEPRunner(EPRunner):
                          f"{self.num_ranks}: its dispatch and combine are expected to fail (\"Unsupported ranks\")")
 
     def recommended(self, kind: str, num_sms: int) -> Tuple[int, ...]:
+        kind = "dispatch" if kind == "dispatch_fp8" else kind  # DeepEP has one dispatch table
         cfg = pyep.Config._recommended(kind, self.num_ranks, num_sms)  # DeepEP's table, never a tuning file's
         return tuple(int(getattr(cfg, n)) for n in CONFIG_FIELDS)

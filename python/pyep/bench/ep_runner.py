@@ -58,19 +58,19 @@ class EPRunner:
     def make_buffer(self, num_nvl_bytes: int):
         return self.module.Buffer(self.group, num_nvl_bytes)
 
-    def case_configs(self, case: Case) -> Tuple[RunConfig, RunConfig]:
-        """(dispatch, combine) RunConfigs of a case: the recommended numbers for case.num_sms, with the NVL chunk
-        sizes put in where the case sets them. The module's Config constructor checks them (pyep: ValueError;
-        DeepEP: RuntimeError from its host assertions)."""
+    def case_configs(self, case: Case, kinds: Tuple[str, ...] = ("dispatch", "combine")) -> Tuple[RunConfig, ...]:
+        """The RunConfigs of a case for kinds (dispatch, combine; dispatch_fp8): the recommended numbers for
+        case.num_sms, with the NVL chunk sizes put in where the case sets them. The module's Config constructor
+        checks them (pyep: ValueError; DeepEP: RuntimeError from its host assertions)."""
         out = []
-        for kind in ("dispatch", "combine"):
+        for kind in kinds:
             f = list(self.recommended(kind, case.num_sms))
             if case.nvl_send is not None:
                 f[1] = case.nvl_send
             if case.nvl_recv is not None:
                 f[2] = case.nvl_recv
             out.append(RunConfig(config_numbers(f), self.module.Config(*f)))
-        return out[0], out[1]
+        return tuple(out)
 
     def open(self, cases: List[Case]) -> None:
         """Makes the Buffer, its NVL part sized for the largest rings of any case's Configs (hidden as BF16, the
@@ -78,7 +78,7 @@ class EPRunner:
         size = 0
         for c in cases:
             try:
-                configs = self.case_configs(c)
+                configs = self.case_configs(c, ("dispatch", "combine", "dispatch_fp8"))
             except Exception:  # noqa: BLE001 - recorded per case when measured
                 continue
             for rc in configs:
@@ -91,12 +91,12 @@ class EPRunner:
         topk_idx = data["topk_idx"].to(self.topk_t)
         if not full:
             return dict(topk_idx=topk_idx, recv_tokens=None)
-        dcfg, ccfg = self.case_configs(case)
+        dcfg, ccfg, fcfg = self.case_configs(case, ("dispatch", "combine", "dispatch_fp8"))
         per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, case.experts)
         kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
                   num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=data["topk_weights"])
         recv_x, _, _, _, handle, _ = self.buffer.dispatch(data["x"], config=dcfg.config, **kw)
-        return dict(dcfg=dcfg, ccfg=ccfg, topk_idx=topk_idx, kw=kw, recv_x=recv_x, handle=handle,
+        return dict(dcfg=dcfg, ccfg=ccfg, fcfg=fcfg, topk_idx=topk_idx, kw=kw, recv_x=recv_x, handle=handle,
                     recv_tokens=int(recv_x.size(0)))
 
     def op(self, op: str, case: Case, data: dict, st: dict):
@@ -115,7 +115,7 @@ class EPRunner:
             if op == "dispatch_fp8" and data["fp8"] is None:
                 raise ValueError(f"hidden {case.hidden}: FP8 needs a multiple of 128")
             xx = x if op == "dispatch_bf16" else data["fp8"]
-            rc = st["dcfg"]
+            rc = st["dcfg"] if op == "dispatch_bf16" else st["fcfg"]
 
             def call(**a):
                 return b.dispatch(xx, config=rc.config, **st["kw"], **a)

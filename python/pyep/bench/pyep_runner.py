@@ -4,13 +4,15 @@ from typing import Callable, Optional, Tuple
 import torch.distributed as dist
 
 import pyep
+from pyep import tuning
 from .ep_runner import CONFIG_FIELDS, EPRunner
 from .ll_runner import LowLatencyRunner
 
 
 class PyepRunner(EPRunner):
     """pyep.Buffer. The recommended Configs are pyep's own (`get_dispatch_config` / `get_combine_config` after
-    `set_num_sms`: a tuning file's where there is one, else DeepEP V1's table)."""
+    `set_num_sms`: a tuning file's where there is one, else DeepEP V1's table; FP8 dispatch: the tuning file's FP8
+    entry where there is one, as a dispatch without a config takes)."""
 
     name = "pyep"
 
@@ -21,7 +23,10 @@ class PyepRunner(EPRunner):
         saved = pyep.Buffer.num_sms
         try:
             pyep.Buffer.set_num_sms(num_sms)
-            cfg = (pyep.Buffer.get_dispatch_config if kind == "dispatch" else pyep.Buffer.get_combine_config)(self.num_ranks)
+            if kind == "dispatch_fp8":  # what a dispatch of FP8 rows without a config runs with
+                cfg = tuning.load_tuned(kind, self.num_ranks, num_sms) or pyep.Buffer.get_dispatch_config(self.num_ranks)
+            else:
+                cfg = (pyep.Buffer.get_dispatch_config if kind == "dispatch" else pyep.Buffer.get_combine_config)(self.num_ranks)
         finally:
             pyep.Buffer.num_sms = saved
         return tuple(int(getattr(cfg, n)) for n in CONFIG_FIELDS)
