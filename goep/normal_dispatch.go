@@ -223,7 +223,6 @@ func (b *Buffer) DispatchNotify(a *DispatchArgs) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	call.n.Order.Flags &^= OrderJoin // the data phase joins
 	rows, err := b.notify(&call.n)
 	if err != nil {
 		return 0, err
@@ -284,7 +283,6 @@ func (b *Buffer) DispatchQueued(a *DispatchArgs, r RecvTensors) (int, bool, erro
 	}
 	se, ok := eng.(SpeculativeEngine)
 	if !ok {
-		n.Order.Flags &^= OrderJoin
 		rows, err := b.notify(n)
 		if err != nil {
 			return 0, false, err

@@ -26,9 +26,12 @@ var (
 	rowTypes = []dlpack.DType{dlpack.BF16, dlpack.F16, dlpack.F32}
 )
 
-// StreamOrder is how a call orders its work on the communication stream against the caller's
-// stream, DeepEP's stream semantics (cuda; the cpu backend has finished when a call returns).
-// It travels in the call: torch's Stream objects and events cost microseconds more.
+// StreamOrder is how a call orders its work against the caller's stream, DeepEP's stream
+// semantics (cuda; the cpu backend has finished when a call returns). The cuda engine runs the
+// usual call (OrderWait|OrderJoin, no Event) on Stream itself, which orders it as DeepEP's two
+// waits would, and the others on the communication stream with those waits
+// (goep/cuda/normal/order.go). It travels in the call: torch's Stream objects and events cost
+// microseconds more.
 type StreamOrder struct {
 	Stream uintptr // the caller's current stream, a raw CUstream of the buffer's GPU
 	Event  uintptr // previous_event's CUevent, which the call's work waits for (0: none)
@@ -110,7 +113,10 @@ type NotifyOp struct {
 	// Capacity is the rows allocated for a dispatch queued behind this notify
 	// (SpeculativeEngine); 0 for a plain notify.
 	Capacity int
-	// Order is the stream order of the notify and of a dispatch queued behind it.
+	// Order is the stream order of the notify and of a dispatch queued behind it. A notify alone
+	// (NormalEngine.Notify) never joins Stream, whatever OrderJoin says: the data phase that
+	// follows it does (DispatchRecv, whose order has no flag but OrderJoin), so an engine may run
+	// both on Stream.
 	Order StreamOrder
 }
 

@@ -91,6 +91,41 @@ def test_previous_event_orders_the_inputs(group, device):
     dist.barrier(group)
 
 
+def test_usual_calls_run_on_the_current_stream(group, device):
+    """The usual call runs its kernels on the current stream. A cached dispatch queued on a side stream behind a long
+    sleep, then a combine on the default stream that does not wait for the side stream: the buffer orders its own
+    kernels (the combine must not start before the dispatch ends). Then an async_finish call, and a usual call
+    after it on another stream."""
+    R, me = group.size(), group.rank()
+    case = Case("streams", tokens=128)
+    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), case.hidden * 2)
+    x, topk, w = on(device, inputs(case, me, R))
+    layout = layout_of(buffer, topk, case.experts_per_rank * R)
+    recv, recv_topk, recv_w, _, handle, _ = buffer.dispatch(x, **layout, topk_idx=topk, topk_weights=w)
+    y = expert_output(recv, me)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # far longer than the host takes to queue both calls
+        again, *_ = buffer.dispatch(x, handle=handle)
+    combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
+    torch.cuda.synchronize()
+    check_receive(case, me, R, again)
+    ref, ref_w = expected_combine(case, me, R, ())
+    assert torch.equal(combined.cpu(), ref) and torch.equal(combined_w.cpu(), ref_w)
+
+    # async_finish on the comm stream, then a usual call on the side stream: it waits for the comm stream's work.
+    torch.cuda._sleep(50_000_000)
+    third, *_, event = buffer.dispatch(x, handle=handle, async_finish=True)
+    with torch.cuda.stream(side):  # nothing makes the side stream wait for the dispatch but the buffer
+        combined2, _, _ = buffer.combine(y, handle, topk_weights=recv_w)
+    event.current_stream_wait()
+    torch.cuda.synchronize()
+    check_receive(case, me, R, third)
+    assert torch.equal(combined2.cpu(), ref)
+    dist.barrier(group)
+
+
 def test_allocate_on_comm_stream(group, device):
     R, me = group.size(), group.rank()
     case = Case("comm_alloc", tokens=96)

@@ -25,6 +25,7 @@ const (
 	MemHandle     = "PYEP_MEM_HANDLE"     // use_fabric's handle kind: auto, fabric or fd
 	RanksPerNode  = "PYEP_RANKS_PER_NODE" // node size: each k consecutive ranks are one node
 	LLTimeline    = "PYEP_LL_TIMELINE"    // low-latency kernels stamp their phases (a diagnosis build)
+	CommStream    = "PYEP_COMM_STREAM"    // every normal-mode call runs on the communication stream
 )
 
 // Get reads name now, from the C library's environment when the core is a library of a C
@@ -62,6 +63,13 @@ func Sync() bool { return os.Getenv(DebugSync) == "1" }
 // kernels built to stamp their phases (kernels/params.h's timeline). Read once an engine, when
 // the buffer's low-latency mode is made, so Python may set it before making the Buffer.
 func Timeline() bool { return Get(LLTimeline) == "1" }
+
+// CommStreamOnly reports whether PYEP_COMM_STREAM=1 is set now: the normal-mode engine made now
+// runs every call's kernels on the communication stream, in DeepEP's order (the comm stream waits
+// for the caller's stream, and the caller's for it), also the usual call, which otherwise runs on
+// the caller's stream. Read once an engine, when the buffer's normal mode is first used, so
+// Python may set it before making the Buffer.
+func CommStreamOnly() bool { return Get(CommStream) == "1" }
 
 // Quiet reports whether PYEP_JIT_QUIET asks for no compile reports.
 func Quiet() bool {

@@ -46,3 +46,10 @@ func TestTimeline(t *testing.T) {
 		assert.Equal(t, want, Timeline(), "PYEP_LL_TIMELINE=%q", in)
 	}
 }
+
+func TestCommStreamOnly(t *testing.T) {
+	for in, want := range map[string]bool{"": false, "0": false, "true": false, "1": true} {
+		t.Setenv(CommStream, in)
+		assert.Equal(t, want, CommStreamOnly(), "PYEP_COMM_STREAM=%q", in)
+	}
+}

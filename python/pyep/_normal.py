@@ -213,7 +213,7 @@ class NormalMode:
 
     def _finish(self, async_finish: bool, flags: int, tensors: tuple) -> EventOverlap:
         if not async_finish:
-            return EventOverlap(None)  # the core made the current stream wait
+            return EventOverlap(None)  # the kernels ran on the current stream, or the core made it wait for them
         if not self._cuda:
             # The cpu backend has finished when its call returns: the event is already complete.
             return EventOverlap(EventHandle(), tensors)

@@ -279,8 +279,11 @@ class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
 
     def get_comm_stream(self) -> torch.cuda.Stream:
         """
-        Gets pyep's communication stream (cuda backend): the stream its kernels run on, created by pyep
-        (non-blocking, highest priority) and shared by the Buffers of this process on this GPU.
+        Gets pyep's communication stream (cuda backend), created by pyep (non-blocking, highest priority) and shared
+        by the Buffers of this process on this GPU: the stream that normal-mode calls with `async_finish`,
+        `previous_event` or `allocate_on_comm_stream` run their kernels on, in DeepEP's order. The usual call (none
+        of the three) runs its kernels on the current stream, which orders them as DeepEP's two stream waits would;
+        `PYEP_COMM_STREAM=1` runs every call here. Low-latency calls run on the current stream.
 
         Returns:
             stream: a `torch.cuda.ExternalStream` (a `torch.cuda.Stream`) wrapping it.

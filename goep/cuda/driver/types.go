@@ -253,6 +253,11 @@ type Stream struct {
 	h   uintptr
 }
 
+// StreamPerThread is CU_STREAM_PER_THREAD: a handle that names the calling OS thread's own default
+// stream, so the same value is another stream on another thread (0 and CU_STREAM_LEGACY, 0x1,
+// name the context's one legacy default stream).
+const StreamPerThread uintptr = 0x2
+
 // WrapStream wraps a raw CUstream of d; 0 is the legacy default stream.
 func WrapStream(d Driver, raw uintptr) Stream { return Stream{d, raw} }
 

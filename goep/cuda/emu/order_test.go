@@ -11,9 +11,11 @@ import (
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
-// TestEmulatedStreamOrder: a call queues its stream order itself: before its first launch the
-// wait for previous_event or for the caller's stream, after its last launch the caller's wait
-// (none with async_finish).
+// TestEmulatedStreamOrder: a call queues its stream order itself. The usual call runs on the
+// caller's stream and needs none; the others run on the comm stream, which waits for
+// previous_event or the caller's stream before the first launch (and for the caller's stream when
+// the buffer's last call ran there), and the caller's stream waits for it after the last launch
+// (not with async_finish). The subtests run in turn on one buffer.
 func TestEmulatedStreamOrder(t *testing.T) {
 	e := newDomain(t, 1, 8<<20)[0]
 	exit, err := e.be.Enter()
@@ -38,11 +40,14 @@ func TestEmulatedStreamOrder(t *testing.T) {
 		order          goep.StreamOrder
 		records, waits int
 	}{
-		{"current stream", goep.StreamOrder{Stream: s, Flags: goep.OrderWait | goep.OrderJoin}, 2, 2},
-		{"previous_event", goep.StreamOrder{Stream: s, Event: ev, Flags: goep.OrderPrevious | goep.OrderJoin}, 1, 2},
+		{"current stream", goep.StreamOrder{Stream: s, Flags: goep.OrderWait | goep.OrderJoin}, 0, 0},
+		{"current stream, again", goep.StreamOrder{Stream: s, Flags: goep.OrderWait | goep.OrderJoin}, 0, 0},
+		{"previous_event", goep.StreamOrder{Stream: s, Event: ev, Flags: goep.OrderPrevious | goep.OrderJoin}, 2, 3},
+		{"previous_event, again", goep.StreamOrder{Stream: s, Event: ev, Flags: goep.OrderPrevious | goep.OrderJoin}, 1, 2},
 		{"previous_event, async_finish", goep.StreamOrder{Stream: s, Event: ev, Flags: goep.OrderPrevious | goep.OrderOnComm}, 0, 1},
 		{"async_finish", goep.StreamOrder{Stream: s, Flags: goep.OrderWait}, 1, 1},
-		{"none (cpu-like)", goep.StreamOrder{}, 0, 0},
+		{"current stream after async_finish", goep.StreamOrder{Stream: s, Flags: goep.OrderWait | goep.OrderJoin}, 1, 1},
+		{"none (cpu-like)", goep.StreamOrder{}, 1, 1},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			records, waits := e.drv.Calls("EventRecord"), e.drv.Calls("StreamWaitEvent")

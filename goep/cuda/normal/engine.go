@@ -22,9 +22,11 @@ import (
 // layout and the protocol), compiled by NVRTC for this GPU and the call's shape and shared by
 // every engine of the device (the cuda.Backend's kernel cache, goep/cuda/kernels.go).
 //
-// Every kernel runs on the backend's communication stream. Layout and Notify wait on the host
-// for their results (mapped host memory): layout to report an out-of-range expert index, notify
-// for the number of rows to receive. Dispatch and Combine only queue their kernels.
+// A call's kernels run on the caller's stream or on the backend's communication stream, as
+// order.go says: the usual call (no previous_event, async_finish or allocate_on_comm_stream) on
+// the caller's, the others on the comm stream in DeepEP's order. Notify waits on the host for the
+// number of rows to receive (mapped host memory); layout, dispatch and combine only queue their
+// kernels (layout's check of the expert indices is read by the next notify).
 //
 // Failures: a kernel that times out (PYEP_TIMEOUT_S) or finds the ranks' arguments
 // inconsistent fills its buffer's error record (mapped host memory) and makes every rank's
@@ -72,6 +74,14 @@ type engine struct {
 	// Launch parameters, reused by every launch (a launch copies them), in an allocation of
 	// their own that holds no Go pointer, as cgo requires of memory a C call reaches.
 	params *launchParams
+
+	// The stream order (order.go): the streams behind all of the buffer's work, the stream the
+	// call in progress launches on (set by orderBefore, which every call runs before its first
+	// launch), and PYEP_COMM_STREAM=1 as of the engine's making.
+	tails    tails
+	stream   driver.Stream
+	ordered  bool // stream is set for the call in progress
+	commOnly bool
 }
 
 type launchParams struct {
@@ -94,7 +104,7 @@ func NewEngine(env goep.EngineEnv) (goep.NormalEngine, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &engine{b: b, env: env, st: bufferState{seq: 1}, params: new(launchParams)}, nil
+	return &engine{b: b, env: env, st: bufferState{seq: 1}, params: new(launchParams), commOnly: commStreamOnly()}, nil
 }
 
 // Close implements goep.Engine: once the GPU's work is done (bounded by the backend's timeout),
@@ -143,6 +153,7 @@ func (e *engine) begin() (end func(), err error) {
 		return func() {}, err
 	}
 	e.opts = e.b.NormalOptions()
+	e.ordered = false
 	return func() { exit(); e.mu.Unlock() }, nil
 }
 
@@ -189,14 +200,17 @@ func (e *engine) recorded(st *bufferState) error {
 	return errors.New(describeFailure(&r) + "; the buffer is unusable from now on: destroy it and make a new one")
 }
 
-// launch queues f on the communication stream with one parameter struct.
+// launch queues f on the call's stream (orderBefore's) with one parameter struct.
 func (e *engine) launch(f driver.Function, grid, block uint32, params unsafe.Pointer) error {
-	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{block, 1, 1}, 0, e.b.CommStream(), params); err != nil {
+	if !e.ordered {
+		return fmt.Errorf("pyep: internal error: kernel %s launched before its call's stream order", f.Name())
+	}
+	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{block, 1, 1}, 0, e.stream, params); err != nil {
 		return err
 	}
 	e.b.StampLaunch()
 	if debugSync {
-		if err := e.b.CommStream().Synchronize(); err != nil {
+		if err := e.stream.Synchronize(); err != nil {
 			return fmt.Errorf("pyep: kernel %s failed: %w; launch parameters: %#v", f.Name(), err, *e.params)
 		}
 	}
@@ -209,28 +223,6 @@ func ptr(t dlpack.Tensor) uint64 {
 		return 0
 	}
 	return uint64(uintptr(t.Data))
-}
-
-// orderBefore makes the call's work on the communication stream wait for previous_event, or
-// else for the caller's stream (DeepEP's stream semantics); the engine is locked and the context
-// current, so the order costs no call of its own.
-func (e *engine) orderBefore(o goep.StreamOrder) error {
-	b := e.b
-	switch {
-	case o.Event != 0:
-		return b.CommStream().WaitEvent(driver.WrapEvent(b.Driver(), o.Event))
-	case o.Flags&goep.OrderWait != 0:
-		return b.StreamWaitEntered(b.CommStream(), b.WrapStream(o.Stream))
-	}
-	return nil
-}
-
-// orderAfter makes the caller's stream wait for the call's work, unless async_finish.
-func (e *engine) orderAfter(o goep.StreamOrder) error {
-	if o.Flags&goep.OrderJoin == 0 {
-		return nil
-	}
-	return e.b.StreamWaitEntered(e.b.WrapStream(o.Stream), e.b.CommStream())
 }
 
 // fillCtx sets the parts of ctx every kernel of a call shares.
@@ -261,10 +253,14 @@ const hostGrace = 5 * time.Second
 // spinFor is how long waitHost polls without sleeping.
 const spinFor = 20 * time.Millisecond
 
-// waitHost polls the u64 at tag until it holds want: the answer of a kernel on the
-// communication stream. It gives up when the buffer's error record fills (st != nil), the
-// stream fails, or the kernels' timeout plus a grace passes.
+// waitHost polls the u64 at tag until it holds want: the answer of a kernel the call queued on
+// its stream. It gives up when the buffer's error record fills (st != nil), the stream fails, or
+// the kernels' timeout plus a grace passes.
 func (e *engine) waitHost(tag *uint64, want uint64, st *bufferState, what string) error {
+	stream, which := e.b.CommStream(), "the communication stream"
+	if e.ordered && e.stream.Raw() != stream.Raw() {
+		stream, which = e.stream, "the caller's stream"
+	}
 	limit := goep.OpTimeout() + hostGrace
 	start := time.Now()
 	pause := time.Duration(0)
@@ -278,11 +274,11 @@ func (e *engine) waitHost(tag *uint64, want uint64, st *bufferState, what string
 			}
 		}
 		if i%256 == 255 {
-			if _, err := e.b.CommStream().Query(); err != nil {
-				return fmt.Errorf("pyep: %s: the communication stream failed: %w", what, err)
+			if _, err := stream.Query(); err != nil {
+				return fmt.Errorf("pyep: %s: %s failed: %w", what, which, err)
 			}
 			if time.Since(start) > limit {
-				return fmt.Errorf("pyep: %s: no answer from the GPU within %v (the communication stream is stuck behind other work, or a kernel hangs)", what, limit)
+				return fmt.Errorf("pyep: %s: no answer from the GPU within %v (%s is stuck behind other work, or a kernel hangs)", what, limit, which)
 			}
 		}
 		// A sleep costs tens of microseconds of latency, as much as a notify takes: spin (as

@@ -72,15 +72,25 @@ const (
 	hbLLM, hbLLE       = 128, 288
 )
 
-func newHostBench(tb testing.TB) *hostBench {
+func newHostBench(tb testing.TB) *hostBench { return newBench(tb, true) }
+
+// newNormalBench is a hostBench for normal mode alone (normalCalls), in a quarter of the memory.
+func newNormalBench(tb testing.TB) *hostBench { return newBench(tb, false) }
+
+func newBench(tb testing.TB, lowLatency bool) *hostBench {
 	d := fake.New(fake.Config{MemBytes: 4 << 30})
 	be, err := cuda.NewBackend(d, 0, cuda.BackendOptions{NVLink: hostLinks{}, Process: "rank0"})
 	require.NoError(tb, err)
 	be.SetNormalOptions(cuda.NormalOptions{Loader: hostLoader{}})
-	rdma, err := goep.LowLatencySizeHint(hbLLM, hbH, 1, hbLLE)
-	require.NoError(tb, err)
-	buf, err := goep.NewBuffer(goep.Params{Rank: 0, NumRanks: 1, NumNVLBytes: 1 << 30, NumRDMABytes: rdma,
-		LowLatencyMode: true, Engines: goep.Engines{Normal: NewEngine, LowLatency: cudall.NewEngine}}, be)
+	nvl, rdma := int64(1<<30), int64(0)
+	if lowLatency {
+		rdma, err = goep.LowLatencySizeHint(hbLLM, hbH, 1, hbLLE)
+		require.NoError(tb, err)
+	} else {
+		nvl = 128 << 20 // the rings of the reference shape, and notify's scratch
+	}
+	buf, err := goep.NewBuffer(goep.Params{Rank: 0, NumRanks: 1, NumNVLBytes: nvl, NumRDMABytes: rdma,
+		LowLatencyMode: lowLatency, Engines: goep.Engines{Normal: NewEngine, LowLatency: cudall.NewEngine}}, be)
 	require.NoError(tb, err)
 	h, err := buf.LocalIPCHandle()
 	require.NoError(tb, err)
@@ -172,8 +182,15 @@ type hostCall struct {
 	call func() error
 }
 
-// hostCalls are the call kinds, each on the reference shape.
-func (h *hostBench) hostCalls(tb testing.TB) []hostCall {
+// hostCalls are the call kinds, each on the reference shape, and the normal-mode case they
+// share.
+func (h *hostBench) hostCalls(tb testing.TB) ([]hostCall, *normalCase) {
+	calls, c := h.normalCalls(tb)
+	return append(calls, h.llCalls(tb)...), c
+}
+
+// normalCalls are the normal-mode call kinds and their case: each call reads c.order when made.
+func (h *hostBench) normalCalls(tb testing.TB) ([]hostCall, *normalCase) {
 	c := h.normalCase(tb)
 	calls := []hostCall{
 		{"layout", func() error {
@@ -202,13 +219,18 @@ func (h *hostBench) hostCalls(tb testing.TB) []hostCall {
 				Order: c.order})
 		}},
 	}
+	return calls, c
+}
+
+// llCalls are the low-latency call kinds.
+func (h *hostBench) llCalls(tb testing.TB) []hostCall {
 	// Low latency: one rank, L = 288 local experts, R*M = 128 rows each.
 	L, RM := hbLLE, hbLLM
 	llX, llTopk, llW := h.alloc(tb, 2*hbLLM*hbH), h.alloc(tb, 8*hbLLM*hbK), h.alloc(tb, 4*hbLLM*hbK)
 	recvX, recvS := h.alloc(tb, L*RM*hbH), h.alloc(tb, 4*L*RM*hbH/128)
 	src, rng, count := h.alloc(tb, 4*L*RM), h.alloc(tb, 8*L), h.alloc(tb, 4*L)
 	expertOut, out := h.alloc(tb, 2*L*RM*hbH), h.alloc(tb, 2*hbLLM*hbH)
-	return append(calls, hostCall{"ll_dispatch", func() error {
+	return []hostCall{{"ll_dispatch", func() error {
 		_, err := h.buf.LowLatencyDispatch(&goep.LLDispatchArgs{MaxTokens: hbLLM, Hidden: hbH, NumExperts: hbLLE,
 			NumTokens: hbLLM, NumTopk: hbK, UseFP8: true, X: llX, TopkIdx: llTopk, RecvX: recvX, RecvScales: recvS,
 			SrcInfo: src, LayoutRange: rng, Count: count, Stream: h.stream})
@@ -218,12 +240,13 @@ func (h *hostBench) hostCalls(tb testing.TB) []hostCall {
 			NumTokens: hbLLM, NumTopk: hbK, X: expertOut, TopkIdx: llTopk, TopkWeights: llW, SrcInfo: src,
 			LayoutRange: rng, Out: out, Stream: h.stream})
 		return err
-	}})
+	}}}
 }
 
 func BenchmarkHostPath(b *testing.B) {
 	h := newHostBench(b)
-	for _, c := range h.hostCalls(b) {
+	calls, _ := h.hostCalls(b)
+	for _, c := range calls {
 		b.Run(c.name, func(b *testing.B) {
 			require.NoError(b, c.call()) // compiles (registers) the kernels
 			b.ReportAllocs()
@@ -236,33 +259,131 @@ func BenchmarkHostPath(b *testing.B) {
 	}
 }
 
+// driverOps are the driver calls TestHostPathDriverCalls counts.
+var driverOps = []string{"CtxSetCurrent", "LaunchKernel", "EventRecord", "StreamWaitEvent", "DeviceGetAttribute"}
+
+// driverCalls counts the driverOps that f makes.
+func driverCalls(t *testing.T, d *fake.Driver, f func() error) []int {
+	before := make([]int, len(driverOps))
+	for i, op := range driverOps {
+		before[i] = d.Calls(op)
+	}
+	require.NoError(t, f())
+	got := make([]int, len(driverOps))
+	for i, op := range driverOps {
+		got[i] = d.Calls(op) - before[i]
+	}
+	return got
+}
+
 // TestHostPathDriverCalls pins the driver calls of each call kind once its kernels are loaded: on
-// a GPU each costs microseconds (a launch about 4), the core's own work far less.
+// a GPU each costs microseconds (a launch about 4), the core's own work far less. The usual call
+// (no previous_event, async_finish or allocate_on_comm_stream) after another on the same stream
+// runs on that stream and needs no event record and no stream wait (order.go).
 func TestHostPathDriverCalls(t *testing.T) {
 	h := newHostBench(t)
 	d := h.be.Driver().(*fake.Driver)
-	ops := []string{"CtxSetCurrent", "LaunchKernel", "EventRecord", "StreamWaitEvent", "DeviceGetAttribute"}
-	want := map[string][]int{ // per op above
-		"layout":          {1, 1, 2, 2, 0},
-		"dispatch_bf16":   {1, 2, 2, 2, 0},
-		"dispatch_fp8":    {1, 2, 2, 2, 0},
-		"dispatch_cached": {1, 2, 2, 2, 0},
-		"combine":         {1, 2, 2, 2, 0},
+	want := map[string][]int{ // per driverOps
+		"layout":          {1, 1, 0, 0, 0},
+		"dispatch_bf16":   {1, 2, 0, 0, 0},
+		"dispatch_fp8":    {1, 2, 0, 0, 0},
+		"dispatch_cached": {1, 2, 0, 0, 0},
+		"combine":         {1, 2, 0, 0, 0},
 		"ll_dispatch":     {1, 1, 0, 0, 0},
 		"ll_combine":      {1, 1, 0, 0, 0},
 	}
-	for _, c := range h.hostCalls(t) {
+	calls, _ := h.hostCalls(t)
+	for _, c := range calls {
 		require.NoError(t, c.call())
-		before := make([]int, len(ops))
-		for i, op := range ops {
-			before[i] = d.Calls(op)
-		}
-		require.NoError(t, c.call())
-		got := make([]int, len(ops))
-		for i, op := range ops {
-			got[i] = d.Calls(op) - before[i]
-		}
-		t.Logf("%-16s %v: %v", c.name, ops, got)
+		got := driverCalls(t, d, c.call)
+		t.Logf("%-16s %v: %v", c.name, driverOps, got)
 		assert.Equal(t, want[c.name], got, c.name)
 	}
+}
+
+// Stream orders as Python's _order makes them, on stream s; ev is previous_event's CUevent.
+func usual(s uintptr) goep.StreamOrder {
+	return goep.StreamOrder{Stream: s, Flags: goep.OrderWait | goep.OrderJoin}
+}
+func async(s uintptr) goep.StreamOrder { return goep.StreamOrder{Stream: s, Flags: goep.OrderWait} }
+func previous(s, ev uintptr) goep.StreamOrder {
+	return goep.StreamOrder{Stream: s, Event: ev, Flags: goep.OrderPrevious | goep.OrderJoin}
+}
+func onComm(s, ev uintptr) goep.StreamOrder {
+	return goep.StreamOrder{Stream: s, Event: ev, Flags: goep.OrderPrevious | goep.OrderOnComm}
+}
+
+// TestHostPathOrderDriverCalls pins the event records and stream waits of a combine (two launches)
+// after another call, in every stream order: the waits the call's own order asks for on the comm
+// stream (DeepEP's), plus one record and wait when the buffer's last work is on a stream that the
+// call's stream neither is nor waits for anyway.
+func TestHostPathOrderDriverCalls(t *testing.T) {
+	h := newNormalBench(t)
+	d := h.be.Driver().(*fake.Driver)
+	calls, c := h.normalCalls(t)
+	var combine func() error
+	for _, hc := range calls {
+		if hc.name == "combine" {
+			combine = hc.call
+		}
+	}
+	exit, err := h.be.Enter()
+	require.NoError(t, err)
+	b, err := d.StreamCreate(driver.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	ev, err := d.EventCreate(driver.EventDisableTiming)
+	require.NoError(t, err)
+	require.NoError(t, ev.Record(b))
+	exit()
+	t.Cleanup(func() {
+		exit, err := h.be.Enter()
+		require.NoError(t, err)
+		defer exit()
+		assert.NoError(t, ev.Destroy())
+		assert.NoError(t, b.Destroy())
+	})
+	a, e, comm := h.stream, ev.Raw(), h.be.CommStream().Raw()
+	for _, tt := range []struct {
+		name                  string
+		before, order         goep.StreamOrder
+		launches, recs, waits int
+	}{
+		{"usual, again", usual(a), usual(a), 2, 0, 0},
+		{"usual after async_finish", async(a), usual(a), 2, 1, 1},
+		{"usual on stream B after A", usual(a), usual(b.Raw()), 2, 1, 1},
+		{"usual on the legacy default stream after A", usual(a), usual(0), 2, 1, 1},
+		{"usual on the comm stream itself", usual(comm), usual(comm), 2, 0, 0},
+		{"usual with previous_event=EventOverlap(None)", usual(a),
+			goep.StreamOrder{Stream: a, Flags: goep.OrderPrevious | goep.OrderWait | goep.OrderJoin}, 2, 0, 0},
+		{"async_finish after usual", usual(a), async(a), 2, 1, 1},
+		{"async_finish, again", async(a), async(a), 2, 1, 1},
+		{"async_finish on B after usual on A", usual(a), async(b.Raw()), 2, 2, 2},
+		{"previous_event after usual", usual(a), previous(a, e), 2, 2, 3},
+		{"previous_event, again", previous(a, e), previous(a, e), 2, 1, 2},
+		{"usual after previous_event", previous(a, e), usual(a), 2, 0, 0},
+		{"allocate_on_comm_stream after usual", usual(a), onComm(a, e), 2, 1, 2},
+		{"allocate_on_comm_stream, again", onComm(a, e), onComm(a, e), 2, 0, 1},
+		{"usual after allocate_on_comm_stream", onComm(a, e), usual(a), 2, 1, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			c.order = tt.before
+			require.NoError(t, combine())
+			c.order = tt.order
+			got := driverCalls(t, d, combine)
+			assert.Equal(t, []int{1, tt.launches, tt.recs, tt.waits, 0}, got, "%v", driverOps)
+		})
+	}
+
+	// PYEP_COMM_STREAM=1: every call in DeepEP's order, on the comm stream.
+	t.Run("PYEP_COMM_STREAM=1", func(t *testing.T) {
+		t.Setenv("PYEP_COMM_STREAM", "1")
+		h := newNormalBench(t)
+		calls, _ := h.normalCalls(t)
+		for _, hc := range calls {
+			require.NoError(t, hc.call())
+			got := driverCalls(t, h.be.Driver().(*fake.Driver), hc.call)
+			assert.Equal(t, 2, got[2], "%s: event records", hc.name)
+			assert.Equal(t, 2, got[3], "%s: stream waits", hc.name)
+		}
+	})
 }

@@ -49,7 +49,8 @@ func (e *engine) Layout(a *goep.LayoutOp) error {
 	return e.orderAfter(a.Order)
 }
 
-// Notify implements goep.NormalEngine.
+// Notify implements goep.NormalEngine. It does not join the caller's stream: the dispatch's data
+// phase, which follows, does.
 func (e *engine) Notify(peers []goep.Region, a *goep.NotifyOp) (int, error) {
 	topo := e.env.Topo
 	end, st, _, err := e.enterBuffer()
@@ -69,10 +70,7 @@ func (e *engine) Notify(peers []goep.Region, a *goep.NotifyOp) (int, error) {
 		return 0, err
 	}
 	n, _, err := e.finishNotify(st, seq, topo, a, scratchOff)
-	if err != nil {
-		return 0, err
-	}
-	return n, e.orderAfter(a.Order)
+	return n, err
 }
 
 // NotifyDispatch implements goep.SpeculativeEngine: notify, and behind it on the stream the

@@ -172,6 +172,9 @@ func (d *Driver) CtxGetCurrent() (driver.Context, error) {
 func (d *Driver) CtxSynchronize() error {
 	unlock, err := d.lock("CtxSynchronize", true)
 	defer unlock()
+	if err == nil {
+		d.order.syncAll()
+	}
 	return err
 }
 

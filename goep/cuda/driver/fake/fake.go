@@ -17,8 +17,9 @@
 //   - The current context is per Driver, not per OS thread, so forgetting MakeCurrent is
 //     caught only before the first one.
 //
-// Beyond the interface, a Driver counts calls, reports live allocations (leak checks) and can
-// be told to fail a call (FailNext), to exercise error handling.
+// Beyond the interface, a Driver counts calls, reports live allocations (leak checks), can be
+// told to fail a call (FailNext), to exercise error handling, and can track which launches a GPU
+// would order after which (TrackOrder, order.go), to check the stream order.
 package fake
 
 import (
@@ -140,6 +141,7 @@ type Driver struct {
 	nextHandle uintptr
 	calls      map[string]int
 	failNext   map[string]driver.Result
+	order      *orderState // TrackOrder's; nil until then
 }
 
 type event struct {

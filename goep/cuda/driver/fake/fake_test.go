@@ -374,3 +374,72 @@ func TestGuardFaultsPastTheEnd(t *testing.T) {
 	require.NoError(t, d.MemFree(p))
 	require.Panics(t, func() { b[0] = 1 }, "freed memory faults")
 }
+
+// TestTrackOrder: a launch is ordered after the earlier launches of its stream, after those an
+// event it waited for stood for when recorded, and after what the host synchronised with.
+func TestTrackOrder(t *testing.T) {
+	w := fake.NewWorld()
+	w.RegisterKernel("k", func(*fake.Launch) error { return nil })
+	d, ctx := process(t, w, 0)
+	mod, err := d.ModuleLoadData([]byte{1})
+	require.NoError(t, err)
+	k, err := mod.Function("k")
+	require.NoError(t, err)
+	a, err := d.StreamCreate(driver.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	b, err := d.StreamCreate(driver.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	ev, err := d.EventCreate(driver.EventDisableTiming)
+	require.NoError(t, err)
+	launch := func(s driver.Stream) {
+		require.NoError(t, k.Launch([3]uint32{1, 1, 1}, [3]uint32{32, 1, 1}, 0, s))
+	}
+
+	launch(a) // before tracking: not recorded
+	assert.Nil(t, d.Launches())
+	d.TrackOrder()
+	launch(a) // 0
+	launch(a) // 1: after 0
+	launch(b) // 2: after nothing
+	require.NoError(t, ev.Record(a))
+	launch(a) // 3: after 0, 1
+	require.NoError(t, b.WaitEvent(ev))
+	launch(b) // 4: after 2, and 0, 1 through the event; not 3, queued after the record
+	require.NoError(t, b.Synchronize())
+	launch(a) // 5: a's own (0, 1, 3) and what the host waited for (b's: 0, 1, 2, 4)
+	require.NoError(t, ev.Record(b))
+	require.NoError(t, ev.Synchronize())
+	launch(b) // 6: b's own; 3 and 5 were never waited for
+	require.NoError(t, ctx.Synchronize())
+	launch(a) // 7: after everything
+
+	l := d.Launches()
+	require.Len(t, l, 8)
+	after := func(i int) []int {
+		var s []int
+		for j := range i {
+			if l[i].After(j) {
+				s = append(s, j)
+			}
+		}
+		return s
+	}
+	assert.Equal(t, a.Raw(), l[0].Stream)
+	assert.Equal(t, b.Raw(), l[2].Stream)
+	assert.Equal(t, "k", l[0].Name)
+	assert.Nil(t, after(0))
+	assert.Equal(t, []int{0}, after(1))
+	assert.Nil(t, after(2))
+	assert.Equal(t, []int{0, 1}, after(3))
+	assert.Equal(t, []int{0, 1, 2}, after(4))
+	assert.Equal(t, []int{0, 1, 2, 3, 4}, after(5))
+	assert.Equal(t, []int{0, 1, 2, 4}, after(6))
+	assert.Equal(t, []int{0, 1, 2, 3, 4, 5, 6}, after(7))
+	assert.False(t, l[3].After(3), "not after itself")
+
+	require.NoError(t, ev.Destroy())
+	require.NoError(t, a.Destroy())
+	require.NoError(t, b.Destroy())
+	require.NoError(t, mod.Unload())
+	assert.Zero(t, d.Live())
+}

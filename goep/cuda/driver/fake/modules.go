@@ -184,6 +184,9 @@ func (d *Driver) LaunchKernel(f driver.Function, grid, block [3]uint32, sharedBy
 			err = fmt.Errorf("pyep: fake: launching %s with %d bytes of dynamic shared memory, limit %d (FuncAttrMaxDynamicSharedSizeBytes): %w", fn.name, sharedBytes, limit, driver.ErrorInvalidValue)
 		}
 	}
+	if err == nil {
+		d.order.launch(fn.name, s)
+	}
 	d.w.mu.Unlock()
 	if err != nil {
 		return err
@@ -218,6 +221,7 @@ func (d *Driver) StreamDestroy(s driver.Stream) error {
 	}
 	if err == nil {
 		delete(d.streams, s.Raw())
+		d.order.forgetStream(s)
 	}
 	return err
 }
@@ -228,6 +232,9 @@ func (d *Driver) StreamSynchronize(s driver.Stream) error {
 	defer unlock()
 	if err == nil {
 		err = d.stream(s)
+	}
+	if err == nil {
+		d.order.syncStream(s)
 	}
 	return err
 }
@@ -251,6 +258,9 @@ func (d *Driver) StreamWaitEvent(s driver.Stream, e driver.Event) error {
 	}
 	if err == nil {
 		_, err = d.event(e)
+	}
+	if err == nil {
+		d.order.wait(s, e)
 	}
 	return err
 }
@@ -288,6 +298,7 @@ func (d *Driver) EventRecord(e driver.Event, s driver.Stream) error {
 	}
 	if err == nil {
 		ev.recorded, ev.at = true, time.Now()
+		d.order.record(e, s)
 	}
 	return err
 }
@@ -309,6 +320,9 @@ func (d *Driver) EventSynchronize(e driver.Event) error {
 	if err == nil {
 		_, err = d.event(e)
 	}
+	if err == nil {
+		d.order.syncEvent(e)
+	}
 	return err
 }
 
@@ -321,6 +335,7 @@ func (d *Driver) EventDestroy(e driver.Event) error {
 	}
 	if err == nil {
 		delete(d.events, e.Raw())
+		d.order.forgetEvent(e)
 	}
 	return err
 }
