@@ -10,7 +10,9 @@ import (
 
 // CommStream is pyep's communication stream on this GPU: created by the Backend,
 // non-blocking (it never waits behind the legacy default stream) and of the highest priority.
-// Python wraps it as torch.cuda.ExternalStream (Buffer.get_comm_stream).
+// Python wraps it as torch.cuda.ExternalStream (Buffer.get_comm_stream). Normal-mode calls with
+// async_finish, previous_event or allocate_on_comm_stream run there; the usual call runs on the
+// caller's stream (goep/cuda/normal/order.go).
 func (b *Backend) CommStream() driver.Stream { return b.comm }
 
 var _ goep.StreamBackend = (*Backend)(nil)

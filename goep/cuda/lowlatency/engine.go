@@ -25,6 +25,9 @@ import (
 // which alternates from call to call as the engine counts them (a graph must hold whole pairs of
 // calls, as with DeepEP). A wait that times out masks the peer in this rank's region and fills
 // the engine's error record (host-mapped); the host reads it at the next call and at hooks.
+// The buffer's normal-mode kernels (goep/cuda/normal) share no memory with these: they use the
+// NVLink region and records of their own, so the two engines need no order between them beyond
+// the caller's streams' (see goep/cuda/normal/order.go).
 
 // The launch parameters (llParams) and the error record (llError) are kernels/params.h's (abi.go);
 // the kernels are the device's, compiled and kept by the cuda.Backend (goep/cuda/kernels.go).
