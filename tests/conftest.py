@@ -69,3 +69,18 @@ def device(group):
 def shares_gpu():
     """Whether ranks of this launch share a GPU (the cuda backend over a gloo group)."""
     return DEVICE == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()
+
+
+def record_spawned_sets(mp):
+    """Records, in the list returned, each set of processes pyep.bench's launcher spawns (its `part`: None for a run
+    in one set; sweep.FIRST and sweep.NODES for the two sets of a run with --ll-nodes where a process holds one NVSHMEM
+    group). mp: a pytest MonkeyPatch."""
+    from pyep.bench import launch
+    sets, spawn_set = [], launch._spawn_set
+
+    def record(nprocs, opts, part=None):
+        sets.append(part)
+        return spawn_set(nprocs, opts, part)
+
+    mp.setattr(launch, "_spawn_set", record)
+    return sets

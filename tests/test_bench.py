@@ -161,16 +161,25 @@ def _check_node_rows(report, R, ks, per_rank_tokens=16, topk=4):
     return rows
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_bench_ll_nodes(tmp_path, group, nprocs):
+@pytest.mark.parametrize("nprocs,two_sets", [(2, True), (4, False)])
+def test_bench_ll_nodes(tmp_path, group, nprocs, two_sets):
     """--ll-nodes: pyep's low-latency rows once more per node size k on a Buffer made with PYEP_RANKS_PER_NODE=k (set
-    around its construction only), beside the one-node rows; sizes that do not fit are skipped with the reason."""
+    around its construction only), beside the one-node rows; sizes that do not fit are skipped with the reason. On cpu
+    in the launcher's one set of processes; with PYEP_BENCH_NODES_APART=1 (what the cuda backend always does) in a
+    second set after the first, merged into the same report, table and output as if one run."""
     if group.rank() != 0:
         pytest.skip("not collective: runs on rank 0 only")
+    from conftest import record_spawned_sets
+    from pyep.bench import sweep
     mp = pytest.MonkeyPatch()
     mp.setenv("PYEP_BACKEND", "cpu")
     mp.setenv("OMP_NUM_THREADS", "1")
     mp.delenv("PYEP_RANKS_PER_NODE", raising=False)
+    if two_sets:
+        mp.setenv(sweep.NODES_APART_ENV, "1")
+    else:
+        mp.delenv(sweep.NODES_APART_ENV, raising=False)
+    sets = record_spawned_sets(mp)
     argv = list(TINY)
     argv[argv.index("--nprocs") + 1] = str(nprocs)
     try:
@@ -178,6 +187,8 @@ def test_bench_ll_nodes(tmp_path, group, nprocs):
         assert "PYEP_RANKS_PER_NODE" not in os.environ
     finally:
         mp.undo()
+    assert sets == ([sweep.FIRST, sweep.NODES] if two_sets else [None])
+    assert json.loads((tmp_path / "results.json").read_text()) == report
     fits = [k for k in (1, 2, 3) if k < nprocs and nprocs % k == 0]
     assert report["schema"] == "pyep-bench/4" and report["plan"]["ll_nodes"] == fits
     skipped = {k: report["skipped"].get(f"pyep low-latency ranks_per_node={k}") for k in (1, 2, 3)}
@@ -190,9 +201,14 @@ def test_bench_ll_nodes(tmp_path, group, nprocs):
             assert why and "does not divide" in why, (k, why)
     rows = _check_node_rows(report, nprocs, fits)
     assert report["env"]["num_ranks"] == nprocs and rows
-    table = (tmp_path / "table.txt").read_text()
-    assert "nodes" in table and f"{nprocs // 1}x1" in table
-    assert "ranks_per_node=3" in table  # the skip is said in the output too
+    # One run's output: one header, the one-node rows, then each size's rows, and the report written last.
+    table = (tmp_path / "table.txt").read_text().splitlines()
+    assert sum("low latency (" in line for line in table) == 1
+    order = [w[1] for w in map(str.split, table) if len(w) > 2 and w[0] == "pyep" and w[2] in bench.LL_OPS]
+    assert order == ["-"] * 3 + [f"{nprocs // k}x{k}" for k in fits for _ in range(3)]
+    assert sum("ranks_per_node=3" in line for line in table) == 1  # the skip is said in the output too, once
+    assert table[-1].startswith("wrote ") and sum(line.startswith("wrote ") for line in table) == 1
+    assert any("second set of" in n for n in report["plan"]["notes"]) == two_sets
 
 
 def test_bench_ll_nodes_in_group(tmp_path, group, monkeypatch):
@@ -257,6 +273,41 @@ def test_bench_ll_nodes_not_available(tmp_path, group, monkeypatch):
             assert r["error"].startswith("prepare: rank 0: NotAvailableError: Buffer.clean_low_latency_buffer"), r["error"]
         else:
             assert r["ranks_per_node"] == 0 and r["error"] is None, r["error"]
+
+
+def test_bench_second_set_fails(tmp_path, monkeypatch):
+    """The launcher's second set of processes (the emulated-node rows) failing: the report holds the first set's rows,
+    and each --ll-nodes size is skipped with the failure; where the first set skipped them all (pyep did not run),
+    no second set starts."""
+    from torch.multiprocessing import ProcessRaisedException
+    from pyep.bench import launch, report as report_mod, sweep
+    args = bench.parse_args(TINY + ["--ll", "--ll-nodes", "1", "--out", str(tmp_path)])
+    plan = bench.make_plan(args, "cpu", 2)
+    row = {"impl": "pyep", "op": "ll_dispatch", "ranks_per_node": 0, "error": "prepare: rank 0: stand-in"}
+    sets = []
+
+    def spawn_set(nprocs, opts, part=None):
+        sets.append(part)
+        if part == sweep.FIRST:
+            return report_mod.Part(plan=plan, env={"num_ranks": 2}, skipped=dict(first_skipped), results=[row],
+                                   lines=["first set"], elapsed=1.0, out_dir=str(tmp_path), num_ranks=2, cuda=False,
+                                   shared=False)
+        raise ProcessRaisedException("\n\n-- Process 1 terminated with the following error:\nTraceback (most recent "
+                                     "call last):\n  File ...\nRuntimeError: stand-in\n", 1, 4321)
+
+    monkeypatch.setattr(launch, "_spawn_set", spawn_set)
+    first_skipped: dict = {}
+    got = launch._spawn_two_sets(args, 2, dict(vars(args)))
+    assert sets == [sweep.FIRST, sweep.NODES] and got["results"] == [row] and got["elapsed_s"] == 1.0
+    assert got["skipped"] == {"pyep low-latency ranks_per_node=1":
+                              "the second set of processes failed (rank 1: RuntimeError: stand-in)"}
+    assert json.loads((tmp_path / "results.json").read_text()) == got
+    table = (tmp_path / "table.txt").read_text().splitlines()
+    assert table[0] == "first set" and table[1].startswith("skipped pyep low-latency ranks_per_node=1: the second set")
+    sets.clear()
+    first_skipped["pyep low-latency ranks_per_node=1"] = "pyep did not run"
+    got = launch._spawn_two_sets(args, 2, dict(vars(args)))
+    assert sets == [sweep.FIRST] and got["skipped"] == first_skipped
 
 
 def test_ranks_per_node_env_is_restored(monkeypatch):

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from pyep.bench import baseline, deepep_runner, gpus
+from pyep.bench import baseline, deepep_runner, gpus, sweep
 import pyep.bench as bench
 
 _PYEP_BACKEND_AT_IMPORT = os.environ.get("PYEP_BACKEND")
@@ -269,20 +269,29 @@ def fake_deep_ep(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deepep_report(group, fake_deep_ep, tmp_path_factory):
+    """One run of every kind of row (issue #19): normal mode of pyep, the baseline and DeepEP; low latency of pyep and
+    DeepEP on one node and pyep's on 2 emulated nodes of 1 rank (--ll-nodes 1). PYEP_BENCH_NODES_APART=1 makes the
+    launcher run the emulated-node rows as on cuda, in a second set of processes. Returns (report, table.txt, the sets
+    of processes spawned)."""
     if group.rank() != 0:
         pytest.skip("not collective: runs on rank 0 only")
+    from conftest import record_spawned_sets
     out = tmp_path_factory.mktemp("bench-deepep")
     mp = pytest.MonkeyPatch()
     mp.setenv("PYEP_BACKEND", "cpu")
     mp.setenv("OMP_NUM_THREADS", "1")
     mp.setenv(deepep_runner.ENV_ON_CPU, "1")
+    mp.setenv(sweep.NODES_APART_ENV, "1")
+    mp.delenv("PYEP_RANKS_PER_NODE", raising=False)
+    sets = record_spawned_sets(mp)
     try:
         # Two cases: the recommended chunks, and a send chunk no Config takes (300 >= the recv ring's 256).
-        report = bench.main(TINY + ["--impls", "pyep,deepep", "--nvl-send", "default,300", "--out", str(out)])
+        report = bench.main(TINY + ["--impls", "pyep,baseline,deepep", "--nvl-send", "default,300", "--ll-nodes", "1",
+                                    "--out", str(out)])
     finally:
         mp.undo()
     assert json.loads((out / "results.json").read_text()) == report
-    return report, (out / "table.txt").read_text()
+    return report, (out / "table.txt").read_text(), sets
 
 
 def test_fake_is_deepep_shaped(fake_deep_ep):
@@ -303,7 +312,7 @@ def test_fake_is_deepep_shaped(fake_deep_ep):
 
 
 def test_bench_drives_deepep_api(deepep_report):
-    report, table = deepep_report
+    report, table, _ = deepep_report
     assert "deepep" not in report["skipped"], report["skipped"]
     assert report["env"]["deep_ep"] == {"version": None, "skipped": None}
     by = {}
@@ -335,9 +344,9 @@ def test_bench_drives_deepep_api(deepep_report):
 def test_bench_drives_deepep_low_latency(deepep_report):
     """DeepEP's low-latency rows through the stand-in: its own Buffer (low_latency_mode=True), checked, the same
     received rows and bytes as pyep's, both phases of the hooked calls."""
-    report, table = deepep_report
+    report, table, _ = deepep_report
     assert not any("low-latency" in k for k in report["skipped"]), report["skipped"]
-    ll = {(r["impl"], r["op"]): r for r in report["results"] if r["op"] in bench.LL_OPS}
+    ll = {(r["impl"], r["op"]): r for r in report["results"] if r["op"] in bench.LL_OPS and not r["ranks_per_node"]}
     assert set(ll) == {(impl, op) for impl in ("pyep", "deepep") for op in bench.LL_OPS}
     for op in bench.LL_OPS:
         d, p = ll[("deepep", op)], ll[("pyep", op)]
@@ -353,6 +362,58 @@ def test_bench_drives_deepep_low_latency(deepep_report):
             if dr["send_us"] is not None:
                 assert dr["send_us"] > 0 and dr["recv_us"] > 0
     assert "ll_dispatch_combine" in table
+
+
+def test_bench_one_run_all_rows(deepep_report):
+    """Issue #19: one invocation gives one report of every row, the emulated-node rows from the launcher's second set
+    of processes (on cuda a process holds one NVSHMEM group, which DeepEP's low-latency Buffer takes) merged after the
+    one-node rows, as one run in one set would have them."""
+    report, table, sets = deepep_report
+    assert sets == [sweep.FIRST, sweep.NODES]
+    assert report["skipped"] == {} and report["plan"]["ll_nodes"] == [1]
+    assert report["plan"]["impls"] == ["pyep", "baseline", "deepep"] and report["env"]["deep_ep"]["skipped"] is None
+    assert any("second set of 2 processes" in n for n in report["plan"]["notes"])
+    normal = {(r["impl"], r["op"]) for r in report["results"] if r["op"] not in bench.LL_OPS}
+    assert normal == ({(impl, op) for impl in ("pyep", "deepep") for op in bench.OPS}
+                      | {("baseline", op) for op in bench.BASELINE_OPS})
+    ll = [r for r in report["results"] if r["op"] in bench.LL_OPS]
+    keys = [(r["impl"], r["ranks_per_node"], r["num_nodes"]) for r in ll]
+    assert keys == [("pyep", 0, 1)] * 3 + [("deepep", 0, 1)] * 3 + [("pyep", 1, 2)] * 3
+    one = {r["op"]: r for r in ll if r["impl"] == "pyep" and not r["ranks_per_node"]}
+    for r in ll:
+        assert r["error"] is None and 0 <= r["combine_err_max"] < 0.08, (r["impl"], r["op"], r["error"])
+        assert [p["recv_tokens"] for p in r["per_rank"]] == [p["recv_tokens"] for p in one[r["op"]]["per_rank"]]
+    lines = table.splitlines()
+    assert sum(" bench: " in line for line in lines) == 1  # one run's header
+    nodes = [w[1] for w in map(str.split, lines) if len(w) > 2 and w[2] in bench.LL_OPS]
+    assert nodes == ["-"] * 6 + ["2x1"] * 3
+    assert lines[-1].startswith("wrote ") and sum(line.startswith("wrote ") for line in lines) == 1
+
+
+def test_bench_ll_nodes_beside_deepep_in_group(fake_deep_ep, group, tmp_path, monkeypatch):
+    """In a process group of the user's (torchrun: no second set of processes can be started), where DeepEP's
+    low-latency Buffer ran (on cuda it made the process's NVSHMEM group; on cpu PYEP_BENCH_NODES_APART=1 takes it so):
+    the emulated-node rows are skipped, and the reason names the bench's own launcher; the one-node rows run."""
+    from conftest import BACKEND
+    if BACKEND != "cpu" or group.size() < 2:
+        why = "the stand-in runs on the cpu backend" if BACKEND != "cpu" else "one rank: no emulated nodes"
+        print(f"\ntest_bench_ll_nodes_beside_deepep_in_group: skipped: {why}", flush=True)
+        pytest.skip(why)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv(deepep_runner.ENV_ON_CPU, "1")
+    monkeypatch.setenv(sweep.NODES_APART_ENV, "1")
+    monkeypatch.delenv("PYEP_RANKS_PER_NODE", raising=False)
+    argv = TINY[TINY.index("--tokens"):] + ["--device", "cpu", "--ll", "--impls", "pyep,deepep", "--ll-nodes", "1",
+                                            "--out", str(tmp_path)]
+    report = bench.main(argv)  # no --spawn, a process group: this process is a rank, as under torchrun
+    if group.rank() != 0:
+        assert report is None
+        return
+    why = report["skipped"]["pyep low-latency ranks_per_node=1"]
+    assert "NVSHMEM" in why and "python -m pyep.bench --nprocs N" in why and "not torchrun" in why, why
+    assert {(r["impl"], r["ranks_per_node"]) for r in report["results"]} == {("pyep", 0), ("deepep", 0)}
+    assert all(r["error"] is None for r in report["results"]), [r["error"] for r in report["results"]]
+    assert f"skipped pyep low-latency ranks_per_node=1: {why}" in (tmp_path / "table.txt").read_text()
 
 
 def test_fake_low_latency_is_deepep_shaped(fake_deep_ep, group, device):

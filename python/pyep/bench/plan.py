@@ -302,6 +302,11 @@ def make_plan(args: argparse.Namespace, backend: str, num_ranks: int) -> Plan:
                 ll_cases=ll_cases, ll_reference=ll_ref, ll_nodes=ll_nodes, ll_nodes_skipped=ll_nodes_skipped)
 
 
+def ll_nodes_key(k: int) -> str:
+    """The `skipped` key of an --ll-nodes size k whose rows did not run."""
+    return f"pyep low-latency ranks_per_node={k}"
+
+
 def _ll_nodes(args: argparse.Namespace, ops: List[str], impls: List[str], ll_cases: List["LLCase"], num_ranks: int,
               notes: List[str]) -> Tuple[List[int], dict]:
     """--ll-nodes: the node sizes that run (pyep's low-latency rows once more each, PYEP_RANKS_PER_NODE=k) and those

@@ -6,6 +6,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pyep
@@ -228,9 +229,41 @@ def tune_table(results: List[dict], num_ranks: int, device: str, default_hidden:
                              pyep_version=pyep.__version__)
 
 
-def _finish(args, plan: Plan, env: dict, skipped: dict, results: List[dict], elapsed: float, out_dir: str,
-            table: Table, lines: List[str], emit: Callable[[str], None], R: int, cuda: bool, shared_gpu: bool) -> dict:
-    """Rank 0: the tuning file, the plots, results.json and table.txt."""
+@dataclass
+class Part:
+    """What a run measured, as rank 0 holds it before the report is written: the whole run's, or one of the
+    launcher's two sets of processes' (see merge_parts). lines: the output so far, as table.txt has it."""
+    plan: Plan
+    env: dict
+    skipped: Dict[str, str]
+    results: List[dict]
+    lines: List[str]
+    elapsed: float
+    out_dir: str
+    num_ranks: int
+    cuda: bool
+    shared: bool
+
+
+def merge_parts(first: Part, second: Part) -> Part:
+    """One run's Part from the launcher's two sets of processes: `first` (every row but the emulated-node ones) and
+    `second` (those rows alone). The second's rows, output lines, skips, new notes and time follow the first's (its
+    rows after every one-node row, where a run in one set puts them too); the environment and the plan are the
+    first's."""
+    notes = list(first.plan.notes)
+    notes += [n for n in second.plan.notes if n not in notes]
+    return Part(plan=replace(first.plan, notes=notes), env=first.env,
+                skipped={**first.skipped, **second.skipped}, results=first.results + second.results,
+                lines=first.lines + second.lines, elapsed=first.elapsed + second.elapsed, out_dir=first.out_dir,
+                num_ranks=first.num_ranks, cuda=first.cuda, shared=first.shared)
+
+
+def _finish(args, part: Part, table: Table, emit: Callable[[str], None]) -> dict:
+    """Rank 0 (or the launcher, for its two sets of processes): the tuning file, the plots, results.json and
+    table.txt (part.lines, with what emit adds to them)."""
+    plan, env, skipped, results, elapsed, out_dir = (part.plan, part.env, part.skipped, part.results, part.elapsed,
+                                                     part.out_dir)
+    R, cuda, shared_gpu, lines = part.num_ranks, part.cuda, part.shared, part.lines
     report = {
         "schema": SCHEMA,
         "env": env,

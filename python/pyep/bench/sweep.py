@@ -18,10 +18,27 @@ from .ep_runner import EPRunner
 from .gpus import SHARED_NOTE, Placement, placement
 from .inputs import make_routing, make_x
 from .ll_runner import LowLatencyRunner
-from .plan import LL_OPS, Case, Plan, make_plan
-from .report import Progress, Table, _bytes_of, _err, _finish, _merge, _us, default_out_dir
+from .plan import LL_OPS, Case, Plan, ll_nodes_key, make_plan
+from .report import Part, Progress, Table, _bytes_of, _err, _finish, _merge, _us, default_out_dir
 from .pyep_runner import PyepRunner
 from .timing import Timer
+
+# The launcher's two sets of processes (launch.py), given to run as `part`: FIRST runs everything but the emulated-node
+# rows (--ll-nodes), NODES those rows alone (pyep's low-latency Buffers of emulated nodes, no normal-mode case).
+FIRST, NODES = "first", "nodes"
+# A test aid: the cpu backend takes --ll-nodes as the cuda backend must (see one_nvshmem_group).
+NODES_APART_ENV = "PYEP_BENCH_NODES_APART"
+NVSHMEM_TAKEN = ("DeepEP's low-latency Buffer made this process's NVSHMEM group, and NVSHMEM is initialised once a "
+                 "process: the bench's own launcher (python -m pyep.bench --nprocs N ..., not torchrun or a process "
+                 "group of yours) runs these rows in a second set of processes; or leave deepep out of --impls")
+
+
+def one_nvshmem_group(cuda: bool) -> bool:
+    """Whether a process holds one NVSHMEM group at most, so that pyep's emulated-node Buffers (an NVSHMEM group on
+    cuda) cannot share a process with DeepEP's low-latency Buffer (one of its own): on cuda; on cpu with
+    PYEP_BENCH_NODES_APART=1, so that tests take the paths of cuda (the launcher's second set of processes, the skip
+    in a process group that is not the launcher's)."""
+    return cuda or os.environ.get(NODES_APART_ENV) == "1"
 
 
 def _agreed_try(group: dist.ProcessGroup, fn) -> Optional[str]:
@@ -77,11 +94,12 @@ def _record(impl, case: Case, op: str, rank: int, **fields) -> dict:
     return rec
 
 
-def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple[list, list, Dict[str, str], dict]:
+def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement,
+                part: Optional[str] = None) -> Tuple[list, list, Dict[str, str], dict]:
     """The implementations that can run on every rank, their low-latency runners (each with its Buffer; pyep's once
     more per --ll-nodes size, after the one-node runners), those skipped (with why; "<impl> low-latency" where only
     that Buffer failed, "pyep low-latency ranks_per_node=k" for a node size that did not run), and DeepEP's import
-    info."""
+    info. part FIRST: no emulated-node runner (the launcher's second set runs them); NODES: those alone."""
     R = group.size()
     skipped: Dict[str, str] = {}
     deepep_mod, deepep_info = None, {"version": None, "skipped": "not requested"}
@@ -122,7 +140,7 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple
         else:
             impls.append(impl)
     lls = []
-    for impl in impls if plan.ll_cases else []:
+    for impl in impls if plan.ll_cases and part != NODES else []:
         if not isinstance(impl, EPRunner):
             continue
         ll = impl.low_latency()
@@ -136,16 +154,16 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement) -> Tuple
     # construction only). They are made later, one at a time (on cuda each is an NVSHMEM group, one a process).
     pyep_impl = next((i for i in impls if i.name == "pyep" and isinstance(i, EPRunner)), None)
     for k, why in plan.ll_nodes_skipped.items():
-        skipped[f"pyep low-latency ranks_per_node={k}"] = why
+        skipped[ll_nodes_key(k)] = why
     # DeepEP's low-latency Buffer is an NVSHMEM group of its own in this process, which NVSHMEM allows once.
-    nvshmem_taken = where.cuda and any(ll.name == "deepep" for ll in lls)
+    nvshmem_taken = one_nvshmem_group(where.cuda) and any(ll.name == "deepep" for ll in lls)
     for k in plan.ll_nodes if plan.ll_cases else []:
         if pyep_impl is None:
-            skipped[f"pyep low-latency ranks_per_node={k}"] = "pyep did not run"
+            skipped[ll_nodes_key(k)] = "pyep did not run"
+        elif part == FIRST:
+            continue
         elif nvshmem_taken:
-            skipped[f"pyep low-latency ranks_per_node={k}"] = (
-                "DeepEP's low-latency Buffer made this process's NVSHMEM group, and NVSHMEM is initialised once a process: "
-                "run --ll-nodes with --impls pyep,baseline")
+            skipped[ll_nodes_key(k)] = NVSHMEM_TAKEN
         else:
             lls.append(pyep_impl.low_latency(ranks_per_node=k))
     return impls, lls, skipped, deepep_info
@@ -211,26 +229,42 @@ def _measure_stage(impl, case: Case, ops: List[str], full: bool, data: dict, pla
     return records
 
 
-def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> Optional[dict]:
+def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None, part: Optional[str] = None):
     """
     Runs the benchmark in every rank of an existing process group (gloo: cpu backend; NCCL: cuda backend,
     each rank on its current device; gloo with PYEP_BACKEND=cuda: cuda backend, ranks that may share GPUs).
     Collective: every rank calls it with the same args.
 
+    Args:
+        part: None, the whole run. FIRST or NODES: one of the launcher's two sets of processes (launch.py), the run
+            without its emulated-node rows (--ll-nodes) or those rows alone; the launcher merges the two and writes
+            the report.
+
     Returns:
-        report: the report written to results.json on rank 0; None on other ranks.
+        report: the report written to results.json on rank 0 (with part, rank 0's Part, nothing written); None on
+            other ranks.
     """
     group = group or dist.group.WORLD
     rank, R = group.rank(), group.size()
     where = placement(args.device, group)
     device, cuda = where.device, where.cuda
     plan = make_plan(args, where.backend, R)
+    if part == NODES:
+        plan.cases, plan.impls = [], ["pyep"]
     if where.shared:
         plan.notes.append(SHARED_NOTE)
     lead = rank == 0
     show = lead and not args.quiet
-    impls, lls, skipped, deepep_info = _make_impls(plan, group, where)
+    impls, lls, skipped, deepep_info = _make_impls(plan, group, where, part)
     plan.notes += [impl.note for impl in impls if getattr(impl, "note", None)]
+    # Node sizes of emulated-node rows: made here (lls), or left to the launcher's second set of processes.
+    later = [k for k in plan.ll_nodes if part == FIRST and ll_nodes_key(k) not in skipped]
+    if later:
+        plan.notes.append(f"pyep's low-latency rows on emulated nodes (--ll-nodes {','.join(map(str, later))}) run in "
+                          f"a second set of {R} processes after these: on the cuda backend a process holds one NVSHMEM "
+                          "group, and DeepEP's low-latency Buffer makes its own"
+                          f"{'' if cuda else f' ({NODES_APART_ENV}=1: the cpu backend does as the cuda backend)'}")
+    node_sizes = [(ll.num_nodes, ll.ranks_per_node) for ll in lls if ll.ranks_per_node] + [(R // k, k) for k in later]
 
     env = environment(where, group, deepep_info) if lead else None
     out_dir = None
@@ -239,18 +273,24 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
         os.makedirs(out_dir, exist_ok=True)
     table = Table()
     lines: List[str] = []
-    progress = Progress(len(plan.cases) + len(plan.ll_cases) * (1 + len(plan.ll_nodes)), show)
+    ll_buffers = (part != NODES) + sum(1 for ll in lls if ll.ranks_per_node)  # the one-node set, then each size
+    progress = Progress(len(plan.cases) + len(plan.ll_cases) * ll_buffers, show)
 
     def emit(line: str) -> None:
         lines.append(line)
         if show:
             progress.write(line)
 
-    if lead:
+    if lead and part == NODES:
+        # The first set said the rest: what is new here (pyep that failed this time) follows its rows.
+        for name, why in skipped.items():
+            if name not in {ll_nodes_key(k) for k in plan.ll_nodes_skipped}:
+                emit(f"skipped {name}: {why}")
+    elif lead:
         emit(f"pyep {pyep.__version__} bench: {where.describe(R, env.get('gpu'))}, {plan.mode}: {len(plan.cases)} cases"
              f"{f' + {len(plan.ll_cases)} low-latency' if plan.ll_cases else ''}, "
              f"ops {','.join(plan.ops)}, impls {','.join(i.name for i in impls) or 'none'}, "
-             f"{''.join(f'{ll.name} low-latency on {ll.num_nodes}x{ll.ranks_per_node} nodes, ' for ll in lls if ll.ranks_per_node)}"
+             f"{''.join(f'pyep low-latency on {n}x{k} nodes, ' for n, k in node_sizes)}"
              f"warmup {plan.warmup}, iters {plan.iters}, host iters {plan.host_iters}")
         for name, why in skipped.items():
             emit(f"skipped {name}: {why}")
@@ -318,9 +358,9 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
     ll_ops = [op for op in plan.ops if op in LL_OPS]
     nodes = [ll for ll in lls if ll.ranks_per_node]
     lls = [ll for ll in lls if not ll.ranks_per_node]
-    if lead and plan.ll_cases and (lls or nodes):
+    if lead and part != NODES and plan.ll_cases and (lls or node_sizes):
         emit(table.ll_header())
-    for case in plan.ll_cases:
+    for case in plan.ll_cases if part != NODES else []:
         inputs(case)
         records = []
         for ll in lls:
@@ -350,6 +390,8 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None) -> 
         _barrier(group, where)
         return None
     try:
-        return _finish(args, plan, env, skipped, results, elapsed, out_dir, table, lines, emit, R, cuda, where.shared)
+        done_part = Part(plan=plan, env=env, skipped=skipped, results=results, lines=lines, elapsed=elapsed,
+                         out_dir=out_dir, num_ranks=R, cuda=cuda, shared=where.shared)
+        return done_part if part else _finish(args, done_part, table, emit)
     finally:
         _barrier(group, where)
