@@ -2,9 +2,7 @@
 //
 // One source, three sets of kernels, chosen by a define (the host compiles each set with the
 // constants it is specialised on):
-//   PYEP_NOTIFY    pyep_notify (the count exchange of a dispatch) and pyep_prologue (the
-//                  barrier + counter reset in front of a cached dispatch or a combine);
-//                  constants: PYEP_RANKS.
+//   PYEP_NOTIFY    pyep_notify (the count exchange of a dispatch); constants: PYEP_RANKS.
 //   PYEP_DISPATCH  pyep_dispatch; constants: PYEP_RANKS, PYEP_HIDDEN_BYTES, PYEP_SCALES_BYTES,
 //                  PYEP_TOPK, PYEP_VEC.
 //   PYEP_COMBINE   pyep_combine; constants: PYEP_RANKS, PYEP_HIDDEN, PYEP_DTYPE (1 bf16,
@@ -40,10 +38,13 @@
 // freed (the reducers take tokens in token order, not by sub-ring). So both sides poll their own
 // memory and only write across NVLink.
 //
-// Counters are reset by their owner between two barriers at the start of every call (notify
-// does it for the dispatch that follows it, pyep_prologue for a cached dispatch or a combine):
-// after the first barrier no peer still runs an earlier kernel that writes here, after the
-// second every counter of every rank is zero.
+// Counters are reset by their owner between two barriers at the start of every call: after the
+// first barrier no peer still runs an earlier kernel that writes here, after the second every
+// counter of every rank is zero. Notify does it for the dispatch that follows it; a cached
+// dispatch or a combine does it in its own kernel, one launch a call (call_barriers): block 0
+// passes the barriers and resets, every other block waits for the second barrier to complete
+// before it touches a ring or a counter. The barriers are numbered by the host (ctx.seq and
+// seq + 1; the engine adds 2 for every call that has them, so every rank numbers alike).
 //
 // Control region (goep.ControlBytes, zeroed at allocation): barrier signals (one u64 per rank,
 // the sequence number of the last barrier that rank reached; the host numbers barriers, every
@@ -369,27 +370,6 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads, 1) pyep_notify(cons
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Prologue of a cached dispatch or a combine: barrier, reset our counters, barrier.
-
-typedef pyep_prologue_params PrologueParams;  // params.h
-
-extern "C" __global__ void __launch_bounds__(256, 1) pyep_prologue(const PrologueParams p) {
-    const Ctx& ctx = p.ctx;
-    const int tid = static_cast<int>(threadIdx.x);
-    PYEP_SHARED(i32, s_flag, 1);
-    if (tid == 0) s_flag[0] = start_ok(ctx, p.op) ? 0 : 1;
-    __syncthreads();
-    if (s_flag[0] != 0) return;
-    if (tid < 32 && !barrier(ctx, p.op, ctx.seq) && tid == 0) s_flag[0] = 1;
-    __syncthreads();
-    if (s_flag[0] != 0) return;
-    u64* z = reinterpret_cast<u64*>(ctx.data[ctx.rank]);
-    for (u64 i = tid; i < ctx.counter_bytes / 8; i += 256) z[i] = 0;
-    __syncthreads();
-    if (tid < 32) barrier(ctx, p.op, ctx.seq + 1);
-}
-
 #endif  // PYEP_NOTIFY
 
 #if defined(PYEP_DISPATCH) || defined(PYEP_COMBINE)
@@ -405,6 +385,27 @@ constexpr int kPublisher = kWarps - 1;
 static_assert(kRanks * kWarpsPerRank <= 32, "a publisher lane per sending warp");
 
 PYEP_DEVICE void group_sync(int g) { bar_sync(1 + g, kWarpsPerRank * 32); }
+
+// The call's barriers, at the start of a cached dispatch or a combine (in place of a kernel of
+// their own, which cost a launch): block 0 passes barrier seq (every rank is in this call, so no
+// peer still runs an earlier kernel that writes into our memory), zeroes this rank's counters and
+// passes barrier seq + 1. Every other block waits, before it touches a ring or a counter of any
+// rank, until every rank's signal here has reached seq + 1: each rank (this one through block 0)
+// raises it only after it zeroed its own counters, so then every counter is zero and every peer
+// is in this call. A waiting block waits only on block 0 of its kernel (the first the GPU starts)
+// and on the peers' block 0, never on another waiting block, so the kernel makes progress even
+// when not all its blocks are resident at once (ranks sharing a GPU); its wait is bounded and
+// polls the abort word like every other. Every thread calls it after the __syncthreads of the
+// kernel's start verdict; it returns false on every thread of the block after a failure.
+PYEP_DEVICE bool call_barriers(const Ctx& ctx, i32 op, int tid) {
+    const bool lead = tid < 32;  // warp 0 signals and waits for the block
+    if (blockIdx.x != 0) return !__syncthreads_or(lead && !barrier_wait(ctx, op, ctx.seq + 1));
+    if (__syncthreads_or(lead && !barrier(ctx, op, ctx.seq))) return false;
+    u64* z = reinterpret_cast<u64*>(ctx.data[ctx.rank]);
+    for (u64 i = tid; i < ctx.counter_bytes / 8; i += kThreads) z[i] = 0;
+    __syncthreads();  // the zeroes before the signals of barrier seq + 1
+    return !__syncthreads_or(lead && !barrier(ctx, op, ctx.seq + 1));
+}
 
 // The sending block's publisher: lane j serves sending warp j (peer j / kWarpsPerRank, sub-ring
 // j % kWarpsPerRank) of channel c. Whenever some of them posted progress, one fence (cumulative:
@@ -705,6 +706,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_dispatch(const Di
     }
     __syncthreads();
     if (s_flag[0] != 0) return;
+    if (p.barriers != 0 && !call_barriers(p.ctx, kOpDispatch, tid)) return;
     const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
     if (sender && g < kRanks) {
         dispatch_send(p, c, g, wg, lane, s_tail + warp);
@@ -1018,6 +1020,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_combine(const Com
     }
     __syncthreads();
     if (s_flag[0] != 0) return;
+    if (!call_barriers(p.ctx, kOpCombine, tid)) return;
     if (sender) {
         const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
         if (g < kRanks) {

@@ -64,12 +64,6 @@ struct pyep_notify_result {
     // followed by i32 per_expert[E/R]
 };
 
-// The prologue of a cached dispatch or a combine.
-struct pyep_prologue_params {
-    struct pyep_ctx ctx;
-    pyep_i32 op, pad;
-};
-
 struct pyep_dispatch_params {
     struct pyep_ctx ctx;
     pyep_u64 x, x_scales, topk, weights, in_rank, rank_prefix, channel_prefix;
@@ -78,7 +72,11 @@ struct pyep_dispatch_params {
     pyep_i32 num_tokens, num_experts, num_out_rows;
     // Scale j of token t is word t * scale_token_stride + j * scale_stride of x_scales: DeepEP's
     // callers pass column-major scales (strides 1, num_tokens) as often as row-major ones.
-    pyep_i32 scale_token_stride, scale_stride, pad;
+    pyep_i32 scale_token_stride, scale_stride;
+    // 1: the kernel begins with the call's two barriers (ctx.seq, ctx.seq + 1) and resets this
+    // rank's counters between them (a dispatch without a notify before it: a cached dispatch);
+    // 0: the notify before it did.
+    pyep_i32 barriers;
     // A speculative dispatch (launched behind its notify, into num_out_rows allocated rows):
     // that notify's seq, and the kernel runs only if the notify left it at kCtlGo. 0: runs.
     pyep_u64 go_seq;
@@ -219,7 +217,6 @@ enum pyep_ll_stamp { PYEP_LL_STAMP_LIST(PYEP_LL_STAMP_ID) PYEP_LL_STAMPS };
 PYEP_ABI_SIZE(struct pyep_ctx, 184);
 PYEP_ABI_SIZE(struct pyep_notify_params, 312);
 PYEP_ABI_SIZE(struct pyep_notify_result, 56);
-PYEP_ABI_SIZE(struct pyep_prologue_params, 192);
 PYEP_ABI_SIZE(struct pyep_dispatch_params, 368);
 PYEP_ABI_SIZE(struct pyep_combine_params, 304);
 PYEP_ABI_SIZE(struct pyep_layout_params, 64);

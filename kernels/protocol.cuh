@@ -46,7 +46,9 @@ constexpr int kCtlClaim = 72;   // u32
 typedef struct pyep_op_error OpError;
 
 enum : u32 { kCodeTimeout = 1, kCodeMismatch = 2, kCodeAborted = 3 };
-enum : i32 { kOpNotify = 1, kOpPrologue = 2, kOpDispatch = 3, kOpCombine = 4 };
+// The call a failure happened in (2 was the separate prologue kernel's, now the dispatch's or the
+// combine's own barriers).
+enum : i32 { kOpNotify = 1, kOpDispatch = 3, kOpCombine = 4 };
 // What a rank waited for, or what did not match.
 enum : i32 {
     kWaitBarrier = 1,      // peer to reach barrier a (seen b)
@@ -157,21 +159,28 @@ PYEP_DEVICE bool start_ok(const Ctx& ctx, i32 op) {
     return false;
 }
 
-// All ranks reach barrier `seq`; one full warp calls it, after a __syncthreads that orders the
-// block's earlier writes before it. Returns false (on every lane) after a failure.
+// Waits until every rank has reached barrier `seq`, without arriving itself: one full warp (lane
+// r polls rank r's signal in this rank's control region), in a block that must not touch the
+// call's memory before the barrier is complete while another block of its kernel arrives for the
+// rank. A lane that gives up names the rank furthest behind (the lowest signal), not its own: a
+// rank that waits in the barrier itself is not at fault. Returns false (on every lane) after a
+// failure.
 template <typename Ctx>
-PYEP_DEVICE bool barrier(const Ctx& ctx, i32 op, u64 seq) {
+PYEP_DEVICE bool barrier_wait(const Ctx& ctx, i32 op, u64 seq) {
     const int lane = static_cast<int>(lane_id());
-    const int me = ctx.rank;
     bool ok = true;
     if (lane < domain_ranks(ctx)) {
-        st_release_sys(ctl_word(ctx, lane, kCtlSignals) + me, seq);
-        const u64* mine = ctl_word(ctx, me, kCtlSignals) + lane;
+        const u64* signals = ctl_word(ctx, ctx.rank, kCtlSignals);
         u64 start = 0;
         for (;;) {
-            const u64 seen = ld_acquire_sys(mine);
+            u64 seen = ld_acquire_sys(signals + lane);
             if (seen >= seq) break;
-            if (!keep_waiting(ctx, start, op, kWaitBarrier, -1, lane, static_cast<i64>(seq),
+            i32 who = lane;
+            for (int r = 0; r < domain_ranks(ctx); r++) {
+                const u64 v = ld_volatile(signals + r);
+                if (v < seen) seen = v, who = r;
+            }
+            if (!keep_waiting(ctx, start, op, kWaitBarrier, -1, who, static_cast<i64>(seq),
                               static_cast<i64>(seen), 0)) {
                 ok = false;
                 break;
@@ -179,6 +188,15 @@ PYEP_DEVICE bool barrier(const Ctx& ctx, i32 op, u64 seq) {
         }
     }
     return __all_sync(0xffffffffu, ok);
+}
+
+// All ranks reach barrier `seq`; one full warp calls it, after a __syncthreads that orders the
+// block's earlier writes before it. Returns false (on every lane) after a failure.
+template <typename Ctx>
+PYEP_DEVICE bool barrier(const Ctx& ctx, i32 op, u64 seq) {
+    const int lane = static_cast<int>(lane_id());
+    if (lane < domain_ranks(ctx)) st_release_sys(ctl_word(ctx, lane, kCtlSignals) + ctx.rank, seq);
+    return barrier_wait(ctx, op, seq);
 }
 
 // The sub-rings of every ring of a call (intranode.cu's Memory): the sending and the receiving side derive

@@ -100,7 +100,6 @@ type Kernel int8
 // The entry points of every mode.
 const (
 	KernelNotify Kernel = iota + 1
-	KernelPrologue
 	KernelDispatch
 	KernelCombine
 	KernelLayout
@@ -126,7 +125,6 @@ type kernelSymbol struct {
 
 var kernelSymbols = map[Kernel]kernelSymbol{
 	KernelNotify:     {"intranode.cu", "pyep_notify", "pyep_notify"},
-	KernelPrologue:   {"intranode.cu", "pyep_prologue", "pyep_prologue"},
 	KernelDispatch:   {"intranode.cu", "pyep_dispatch", "pyep_dispatch"},
 	KernelCombine:    {"intranode.cu", "pyep_combine", "pyep_combine"},
 	KernelLayout:     {"layout.cu", "pyep_layout", "pyep_layout"},

@@ -39,22 +39,29 @@ struct dim3 {
 
 namespace emu {
 
-// A reusable barrier for n threads.
+// A reusable barrier for n threads; wait_or also returns whether any thread passed a nonzero v
+// (the value of the generation just completed stays readable until every thread arrives again).
 struct Barrier {
     std::mutex m;
     std::condition_variable cv;
     int arrived = 0;
     unsigned gen = 0;
-    void wait(int n) {
+    int any = 0, result = 0;
+    void wait(int n) { wait_or(n, 0); }
+    int wait_or(int n, int v) {
         std::unique_lock<std::mutex> l(m);
         const unsigned g = gen;
+        any |= v != 0 ? 1 : 0;
         if (++arrived >= n) {
             arrived = 0;
+            result = any;
+            any = 0;
             gen++;
             cv.notify_all();
-            return;
+            return result;
         }
         cv.wait(l, [&] { return gen != g; });
+        return result;
     }
 };
 
@@ -140,6 +147,7 @@ inline void done() { warp().bar.wait(32); }
 #define gridDim (::emu::self.grid_dim)
 
 static inline void __syncthreads() { ::emu::self.b->named[0].wait(::emu::self.b->threads); }
+static inline int __syncthreads_or(int p) { return ::emu::self.b->named[0].wait_or(::emu::self.b->threads, p); }
 static inline void __syncwarp(unsigned = 0xffffffffu) { ::emu::warp().bar.wait(32); }
 
 template <typename T>

@@ -16,7 +16,6 @@ type (
 	kctx           = C.struct_pyep_ctx
 	notifyParams   = C.struct_pyep_notify_params
 	notifyResult   = C.struct_pyep_notify_result
-	prologueParams = C.struct_pyep_prologue_params
 	dispatchParams = C.struct_pyep_dispatch_params
 	combineParams  = C.struct_pyep_combine_params
 	layoutParams   = C.struct_pyep_layout_params

@@ -14,10 +14,10 @@ import (
 func TestParamLayouts(t *testing.T) {
 	assert.EqualValues(t, 184, unsafe.Sizeof(kctx{}))
 	assert.EqualValues(t, 312, unsafe.Sizeof(notifyParams{}))
-	assert.EqualValues(t, 192, unsafe.Sizeof(prologueParams{}))
 	assert.EqualValues(t, 368, unsafe.Sizeof(dispatchParams{}))
 	assert.EqualValues(t, 360, unsafe.Offsetof(dispatchParams{}.go_seq))
 	assert.EqualValues(t, 348, unsafe.Offsetof(dispatchParams{}.scale_token_stride))
+	assert.EqualValues(t, 356, unsafe.Offsetof(dispatchParams{}.barriers))
 	assert.EqualValues(t, 296, unsafe.Offsetof(notifyParams{}.layout_rec))
 	assert.EqualValues(t, 304, unsafe.Sizeof(combineParams{}))
 	assert.EqualValues(t, 64, unsafe.Sizeof(layoutParams{}))

@@ -20,7 +20,7 @@ func LayoutDefines(threads int) map[string]string {
 	return map[string]string{"PYEP_LAYOUT_THREADS": itoa(threads), "PYEP_LAYOUT_EXPERTS_PER_BLOCK": itoa(layoutExpertsPerBlock)}
 }
 
-// NotifyDefines are those of notify and the prologue (intranode.cu) for numRanks ranks.
+// NotifyDefines are notify's (intranode.cu) for numRanks ranks.
 func NotifyDefines(numRanks, notifyThreads, threads int) map[string]string {
 	return map[string]string{"PYEP_NOTIFY": "", "PYEP_RANKS": itoa(numRanks), "PYEP_NOTIFY_THREADS": itoa(notifyThreads),
 		"PYEP_THREADS": itoa(threads)}

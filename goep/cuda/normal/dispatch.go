@@ -12,7 +12,7 @@ import (
 	"github.com/pyep/pyep/goep/dlpack"
 )
 
-// Dispatch implements goep.NormalEngine: it queues the kernels and returns.
+// Dispatch implements goep.NormalEngine: it queues the kernel and returns.
 func (e *engine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 	topo := e.env.Topo
 	end, st, notified, err := e.enterBuffer()
@@ -32,14 +32,16 @@ func (e *engine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 	if err := e.orderBefore(a.Order); err != nil {
 		return err
 	}
-	if !notified {
-		if err := e.prologueFor(3, st, topo, peers, a.Config); err != nil {
-			return err
-		}
-	}
+	// Without a notify before it (a cached dispatch) the kernel passes the call's barriers itself.
 	e.fillDispatch(st, topo, peers, a, off, 0)
+	if !notified {
+		e.params.dispatch.barriers = 1
+	}
 	if err := e.launch(f, uint32(2*a.Config.NumChannels()), uint32(e.opts.Threads), unsafe.Pointer(&e.params.dispatch)); err != nil {
 		return err
+	}
+	if !notified {
+		st.seq += 2
 	}
 	return e.orderAfter(a.Order)
 }
@@ -90,10 +92,10 @@ func (e *engine) fillDispatch(st *bufferState, topo goep.Topology, peers []goep.
 	if p.scale_token_stride == 0 && p.scale_stride == 0 {
 		p.scale_token_stride, p.scale_stride = i32(a.ScalesBytes/4), 1
 	}
-	p.go_seq = u64(goSeq)
+	p.barriers, p.go_seq = 0, u64(goSeq)
 }
 
-// Combine implements goep.NormalEngine: it queues the kernels and returns.
+// Combine implements goep.NormalEngine: it queues the kernel and returns.
 func (e *engine) Combine(peers []goep.Region, a *goep.CombineOp) error {
 	topo := e.env.Topo
 	end, st, _, err := e.enterBuffer()
@@ -137,9 +139,7 @@ func (e *engine) Combine(peers []goep.Region, a *goep.CombineOp) error {
 	if err := e.orderBefore(a.Order); err != nil {
 		return err
 	}
-	if err := e.prologueFor(4, st, topo, peers, a.Config); err != nil {
-		return err
-	}
+	// The kernel passes the call's barriers itself (intranode.cu's call_barriers).
 	p := &e.params.combine
 	e.fillCtx(&p.ctx, st, topo, peers, a.Config)
 	p.x, p.weights, p.src_idx, p.rank_prefix = u64(ptr(a.X)), u64(ptr(a.TopkWeights)), u64(ptr(a.SrcIdx)), u64(ptr(a.RankPrefix))
@@ -150,5 +150,6 @@ func (e *engine) Combine(peers []goep.Region, a *goep.CombineOp) error {
 	if err := e.launch(f, uint32(2*C), uint32(threads), unsafe.Pointer(p)); err != nil {
 		return err
 	}
+	st.seq += 2
 	return e.orderAfter(a.Order)
 }

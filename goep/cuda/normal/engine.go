@@ -51,7 +51,7 @@ type bufferState struct {
 	resDev  driver.DevicePtr
 	resCap  int // per-expert counts resHost has room for
 
-	notified   bool  // the last call was a successful notify: the dispatch after it needs no prologue
+	notified   bool  // the last call was a successful notify: the dispatch after it needs no barriers of its own
 	scratchOff int64 // where that notify's scratch starts
 	perExpert  []int32
 }
@@ -86,7 +86,6 @@ type engine struct {
 
 type launchParams struct {
 	notify   notifyParams
-	prologue prologueParams
 	dispatch dispatchParams
 	combine  combineParams
 	layout   layoutParams

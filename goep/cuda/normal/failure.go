@@ -11,7 +11,9 @@ import (
 
 // Failures as the kernels record them, in words.
 
-var opNames = map[int32]string{1: "dispatch (notify)", 2: "prologue", 3: "dispatch", 4: "combine"}
+// The ops of protocol.cuh (2, the prologue kernel's, is no more: a cached dispatch's or a combine's
+// barriers fail as "dispatch" or "combine").
+var opNames = map[int32]string{1: "dispatch (notify)", 3: "dispatch", 4: "combine"}
 
 func describeFailure(r *opError) string {
 	code, op, rank, channel, peer, what := uint32(r.code), int32(r.op), int32(r.rank), int32(r.channel), int32(r.peer), int32(r.what)

@@ -225,23 +225,3 @@ func (e *engine) RecvPerExpert() ([]int32, error) {
 	}
 	return append([]int32(nil), e.st.perExpert...), nil
 }
-
-// prologueFor launches the barrier and counter reset in front of a cached dispatch or a combine.
-func (e *engine) prologueFor(op int32, st *bufferState, topo goep.Topology, peers []goep.Region, cfg goep.Config) error {
-	threads := int32(e.opts.NotifyThreads)
-	key := cuda.KernelKey{Kernel: cuda.KernelPrologue, Ranks: int32(topo.NumNVLRanks), Threads: threads}
-	f, err := e.b.Kernel(key, func() map[string]string {
-		return NotifyDefines(topo.NumNVLRanks, int(threads), e.opts.Threads)
-	})
-	if err != nil {
-		return err
-	}
-	p := &e.params.prologue
-	e.fillCtx(&p.ctx, st, topo, peers, cfg)
-	p.op = i32(op)
-	if err := e.launch(f, 1, 256, unsafe.Pointer(p)); err != nil {
-		return err
-	}
-	st.seq += 2
-	return nil
-}
