@@ -9,6 +9,11 @@
 // source with the engine's defines (any shape) with the host C++ compiler into a shared
 // object, under the cache key discipline of its NVRTC builds (an edited kernel, emu.h or
 // launch.h is a new key), and keeps it in its cache directory for later runs.
+//
+// A launch runs all its blocks at once, unless PYEP_EMU_RESIDENT_BLOCKS=n: then at most n at a
+// time, started in block order as earlier ones end, as on a GPU (or an MPS client's share of
+// one) with room for fewer blocks than the grid. A kernel whose blocks wait for a later block of
+// their own launch hangs there (until its wait times out), as it would on the GPU.
 package emu
 
 /*
@@ -169,7 +174,7 @@ var entryRE = regexp.MustCompile(`(?m)^[ \t]*extern[ \t]+"C"[ \t]+__global__[ \t
 // wrap is the translation unit that the host compiler builds for file: the kernel source under
 // PYEP_EMU (so it includes emu.h instead of utils.cuh), the launcher, and emu_kernel, which
 // finds an entry point by name. Which entry points a build has depends on its defines (notify
-// and the prologue under PYEP_NOTIFY, ...), so every one the source declares is listed, and
+// under PYEP_NOTIFY, ...), so every one the source declares is listed, and
 // one that the defines leave out resolves to an emu::Absent object instead: the kernels live
 // in namespace pyep, which unqualified lookup searches before the global namespace, where the
 // using-directive puts the stand-ins.

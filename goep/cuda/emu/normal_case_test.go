@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -18,8 +19,9 @@ import (
 
 // runCase runs one case through every normal-mode call of the emulated engine (notify, dispatch,
 // cached dispatch, the queued dispatch, combine) on every rank and compares each output, bit for
-// bit, with goep/normal's over the same inputs.
-func runCase(t *testing.T, envs []*rankEnv, c rcase) {
+// bit, with goep/normal's over the same inputs. It returns more rounds of the cached dispatch and
+// the combine on the handle of its dispatch.
+func runCase(t *testing.T, envs []*rankEnv, c rcase) *caseRounds {
 	R, K, E := c.R, c.K, c.E
 	C := c.cfg.NumChannels()
 	topo := make([]goep.Topology, R)
@@ -90,8 +92,6 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 		recvTopk                                                    []int64
 		recvW                                                       []float32
 		sendHead                                                    []int32
-		combined                                                    []byte
-		combinedW                                                   []float32
 		biases                                                      [][]byte
 	}
 	ref := make([]*refOut, R)
@@ -147,7 +147,8 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 		cdt = c.dtype
 	}
 	ces := cdt.Size()
-	combineRows := func(r int, recv []byte, rows int) []byte {
+	// Round n's rows of rank r: its factor is (r + 1 + n) / 4.
+	combineRows := func(r int, recv []byte, rows, round int) []byte {
 		out := make([]byte, rows*c.hidden*ces)
 		for i := 0; i < rows*c.hidden; i++ {
 			var v float32
@@ -161,14 +162,12 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 			default:
 				v = float32(int8(recv[i])) / 8
 			}
-			putFloat(out, cdt, i, v*(float32(r+1)/4))
+			putFloat(out, cdt, i, v*(float32(r+1+round)/4))
 		}
 		return out
 	}
-	noErrors(t, each(R, func(r int) error {
-		d, o := rd[r], ref[r]
-		rows := len(o.recvSrc)
-		y := combineRows(r, o.recvX, rows)
+	for r, d := range rd {
+		o := ref[r]
 		rng := rand.New(rand.NewPCG(uint64(r)+100, 9))
 		for i := 0; i < c.bias; i++ {
 			b := make([]byte, d.T*c.hidden*ces)
@@ -177,20 +176,27 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 			}
 			o.biases = append(o.biases, b)
 		}
-		var b0, b1 []byte
-		if c.bias > 0 {
-			b0 = o.biases[0]
-		}
-		if c.bias > 1 {
-			b1 = o.biases[1]
-		}
-		o.combined = make([]byte, d.T*c.hidden*ces)
-		o.combinedW = make([]float32, d.T*K)
-		return normal.Combine(doms[r], &normal.CombineArgs{Config: ncfg, DType: normalDType(cdt), Hidden: c.hidden, NumTopk: K,
-			NumTokens: d.T, X: y, TopkWeights: o.recvW, SrcIdx: o.recvSrc, RankPrefixMatrix: o.rankPrefix,
-			ChannelPrefixMatrix: o.recvChannelPrefix, SendHead: o.sendHead, Bias0: b0, Bias1: b1,
-			CombinedX: o.combined, CombinedTopkWeights: o.combinedW})
-	}))
+	}
+	// refCombine is every rank's combined_x and combined_topk_weights of round n.
+	refCombine := func(round int) ([][]byte, [][]float32) {
+		combined, combinedW := make([][]byte, R), make([][]float32, R)
+		noErrors(t, each(R, func(r int) error {
+			d, o := rd[r], ref[r]
+			var b0, b1 []byte
+			if c.bias > 0 {
+				b0 = o.biases[0]
+			}
+			if c.bias > 1 {
+				b1 = o.biases[1]
+			}
+			combined[r], combinedW[r] = make([]byte, d.T*c.hidden*ces), make([]float32, d.T*K)
+			return normal.Combine(doms[r], &normal.CombineArgs{Config: ncfg, DType: normalDType(cdt), Hidden: c.hidden, NumTopk: K,
+				NumTokens: d.T, X: combineRows(r, o.recvX, len(o.recvSrc), round), TopkWeights: o.recvW, SrcIdx: o.recvSrc,
+				RankPrefixMatrix: o.rankPrefix, ChannelPrefixMatrix: o.recvChannelPrefix, SendHead: o.sendHead, Bias0: b0, Bias1: b1,
+				CombinedX: combined[r], CombinedTopkWeights: combinedW[r]})
+		}))
+		return combined, combinedW
+	}
 
 	// The GPU path.
 	for r, e := range envs {
@@ -264,20 +270,52 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 		require.Equal(t, o.sendHead, i32s(d.sendH.b), "rank %d send_head", r)
 	}
 
-	// Cached dispatch: the same rows again.
-	cached := make([]dev, R)
-	for r, e := range envs {
-		cached[r] = e.alloc(t, c.dtype, int64(len(ref[r].recvSrc)), int64(c.hidden))
+	// Cached dispatch of round n (the same rows again; from round 1 on, every byte of rank s's x
+	// xor n * (0x35 + 0x11 s), so that no round's rows are another's) on the ranks of only.
+	mask := func(round, s int) byte { return byte(round * (0x35 + 0x11*s)) }
+	rounds := &caseRounds{}
+	cachedRound := func(round int, only ...int) []error {
+		xs, cached := make([]dev, R), make([]dev, R)
+		for r, e := range envs {
+			d := rd[r]
+			x := append([]byte(nil), d.x...)
+			for i := range x {
+				x[i] ^= mask(round, r)
+			}
+			xs[r] = e.upload(t, c.dtype, x, int64(d.T), int64(c.hidden))
+			cached[r] = e.alloc(t, c.dtype, int64(len(ref[r].recvSrc)), int64(c.hidden))
+		}
+		errs := each(R, func(r int) error {
+			if len(only) > 0 && !slices.Contains(only, r) {
+				return nil
+			}
+			if rounds.before != nil {
+				rounds.before(r)
+			}
+			d := rd[r]
+			return envs[r].normal().Dispatch(peers[r], &goep.DispatchOp{Config: c.cfg, NumTokens: d.T, HiddenBytes: rowBytes,
+				NumWorstTokens: worst, X: xs[r].t, InRank: d.inRank.t, RankPrefix: d.rankPrefix.t, ChannelPrefix: d.channelPrefix.t,
+				RecvX: cached[r].t})
+		})
+		if len(only) > 0 || slices.ContainsFunc(errs, func(err error) bool { return err != nil }) {
+			return errs
+		}
+		for r, o := range ref {
+			// Rows [rank_prefix[s-1, r], rank_prefix[s, r]) came from rank s; padding rows stay zero.
+			want := slices.Clone(o.recvX)
+			lo := 0
+			for s := range R {
+				hi := int(o.rankPrefix[s*R+r])
+				for i := lo * rowBytes; i < hi*rowBytes; i++ {
+					want[i] ^= mask(round, s)
+				}
+				lo = hi
+			}
+			require.Equal(t, want, cached[r].b, "rank %d cached recv_x (round %d)", r, round)
+		}
+		return errs
 	}
-	noErrors(t, each(R, func(r int) error {
-		d := rd[r]
-		return envs[r].normal().Dispatch(peers[r], &goep.DispatchOp{Config: c.cfg, NumTokens: d.T, HiddenBytes: rowBytes,
-			NumWorstTokens: worst, X: d.dX.t, InRank: d.inRank.t, RankPrefix: d.rankPrefix.t, ChannelPrefix: d.channelPrefix.t,
-			RecvX: cached[r].t})
-	}))
-	for r := range rd {
-		require.Equal(t, ref[r].recvX, cached[r].b, "rank %d cached recv_x", r)
-	}
+	noErrors(t, cachedRound(0))
 	if worst == 0 {
 		runQueued(t, envs, c, topo, peers, func(r int) (queuedIn, queuedOut) {
 			d, o := rd[r], ref[r]
@@ -288,31 +326,55 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) {
 		})
 	}
 
-	// Combine.
-	outs := make([]dev, R)
-	outW := make([]dev, R)
-	ys := make([]dev, R)
-	biases := make([][2]dev, R)
-	for r, e := range envs {
-		d, o := rd[r], ref[r]
-		rows := int64(len(o.recvSrc))
-		ys[r] = e.upload(t, cdt, combineRows(r, d.recvX.b, int(rows)), rows, int64(c.hidden))
-		for i, b := range o.biases {
-			biases[r][i] = e.upload(t, cdt, b, int64(d.T), int64(c.hidden))
+	// Combine of round n on the ranks of only.
+	combineRound := func(round int, only ...int) []error {
+		outs, outW, ys := make([]dev, R), make([]dev, R), make([]dev, R)
+		biases := make([][2]dev, R)
+		for r, e := range envs {
+			d, o := rd[r], ref[r]
+			rows := int64(len(o.recvSrc))
+			ys[r] = e.upload(t, cdt, combineRows(r, d.recvX.b, int(rows), round), rows, int64(c.hidden))
+			for i, b := range o.biases {
+				biases[r][i] = e.upload(t, cdt, b, int64(d.T), int64(c.hidden))
+			}
+			outs[r] = e.alloc(t, cdt, int64(d.T), int64(c.hidden))
+			outW[r] = e.alloc(t, dlpack.F32, int64(d.T), int64(K))
 		}
-		outs[r] = e.alloc(t, cdt, int64(d.T), int64(c.hidden))
-		outW[r] = e.alloc(t, dlpack.F32, int64(d.T), int64(K))
+		errs := each(R, func(r int) error {
+			if len(only) > 0 && !slices.Contains(only, r) {
+				return nil
+			}
+			if rounds.before != nil {
+				rounds.before(r)
+			}
+			d := rd[r]
+			return envs[r].normal().Combine(peers[r], &goep.CombineOp{Config: c.cfg, NumTokens: d.T, Hidden: c.hidden, NumTopk: K,
+				X: ys[r].t, TopkWeights: d.recvW.t, SrcIdx: d.recvSrc.t, RankPrefix: d.rankPrefix.t, ChannelPrefix: d.recvChannelPrefix.t,
+				SendHead: d.sendH.t, Bias0: biases[r][0].t, Bias1: biases[r][1].t, CombinedX: outs[r].t, CombinedTopkWeights: outW[r].t})
+		})
+		if len(only) > 0 || slices.ContainsFunc(errs, func(err error) bool { return err != nil }) {
+			return errs
+		}
+		combined, combinedW := refCombine(round)
+		for r := range rd {
+			require.Equal(t, combined[r], outs[r].b, "rank %d combined_x (round %d)", r, round)
+			require.Equal(t, combinedW[r], f32s(outW[r].b), "rank %d combined_topk_weights (round %d)", r, round)
+		}
+		return errs
 	}
-	noErrors(t, each(R, func(r int) error {
-		d := rd[r]
-		return envs[r].normal().Combine(peers[r], &goep.CombineOp{Config: c.cfg, NumTokens: d.T, Hidden: c.hidden, NumTopk: K,
-			X: ys[r].t, TopkWeights: d.recvW.t, SrcIdx: d.recvSrc.t, RankPrefix: d.rankPrefix.t, ChannelPrefix: d.recvChannelPrefix.t,
-			SendHead: d.sendH.t, Bias0: biases[r][0].t, Bias1: biases[r][1].t, CombinedX: outs[r].t, CombinedTopkWeights: outW[r].t})
-	}))
-	for r := range rd {
-		require.Equal(t, ref[r].combined, outs[r].b, "rank %d combined_x", r)
-		require.Equal(t, ref[r].combinedW, f32s(outW[r].b), "rank %d combined_topk_weights", r)
-	}
+	noErrors(t, combineRound(0))
+	rounds.cached, rounds.combine = cachedRound, combineRound
+	return rounds
+}
+
+// caseRounds are more calls on the handle of runCase's dispatch: round n of a cached dispatch or
+// a combine (from round 1 on, inputs that differ from every other round's) on the ranks of only
+// (every rank if none), each rank's error returned. When every rank made the call and none
+// failed, the outputs are checked bit for bit against the reference's. before, if set, runs in
+// each rank's goroutine before its call.
+type caseRounds struct {
+	cached, combine func(round int, only ...int) []error
+	before          func(r int)
 }
 
 type queuedIn struct {
