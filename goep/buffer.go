@@ -315,14 +315,19 @@ func (b *Buffer) Destroy() error {
 		return nil
 	}
 	b.state = destroyed
+	var failed error // a peer that failed the NVSHMEM engine: its region is abandoned, not freed
+	if b.ll != nil && b.ll.nvshmem && b.rdma != nil {
+		if f, ok := b.ll.device.(PeerFailures); ok {
+			failed = f.PeerFailure()
+		}
+	}
 	// The engines first: their kernels use the memory.
 	errs := []error{b.closeEngines()}
 	b.closePeers()
 	b.closeLowLatencyPeers()
 	if b.ll != nil && b.ll.nvshmem && b.rdma != nil {
 		// NVSHMEM's region, kernels and group go first (collective: every rank destroys).
-		errs = append(errs, b.rdma.Close())
-		b.rdma = nil
+		errs = append(errs, b.closeSymmetric(failed))
 	}
 	if b.local != nil {
 		errs = append(errs, b.local.Close())

@@ -32,6 +32,27 @@ type SymmetricRegion interface {
 	RDMARegion
 	// Peer is PE p's region as mapped here (nvshmem_ptr), nil where only puts reach it.
 	Peer(p int) unsafe.Pointer
+	// Abandon is Close where a peer failed (cause): the region is not freed, since
+	// nvshmem_free is collective and the peer would never join it; the error says that this
+	// process's NVSHMEM is left unusable.
+	Abandon(cause error) error
+}
+
+// PeerFailures is a device low-latency engine that can tell, once the device is idle, whether a
+// peer failed it (timed out): destroy then abandons the NVSHMEM region instead of freeing it.
+type PeerFailures interface {
+	PeerFailure() error
+}
+
+// closeSymmetric releases an NVSHMEM buffer's region: freed (collective), or abandoned where the
+// engine saw a peer fail (cause, read before the engine closed).
+func (b *Buffer) closeSymmetric(cause error) error {
+	r := b.rdma.(SymmetricRegion)
+	b.rdma = nil
+	if cause != nil {
+		return r.Abandon(cause)
+	}
+	return r.Close()
 }
 
 // usesNVSHMEM: a device buffer in low-latency mode whose peers are not all reached by pointers

@@ -469,3 +469,21 @@ func TestNVSHMEMMismatchedRDMABytes(t *testing.T) {
 		require.NoError(t, g.bufs[r].Destroy())
 	}
 }
+
+// A peer that failed the engine (a timeout it recorded): destroy abandons the NVSHMEM region
+// instead of entering the collective free, which that peer would never join, and says why.
+func TestNVSHMEMDestroyAfterPeerFailure(t *testing.T) {
+	g := newSymGroup(t, 2, 1, 0, false)
+	for r := range 2 {
+		require.NoError(t, g.sync(r))
+	}
+	g.engineOf(t, 0).failed = errors.New("rank 0 timed out waiting for rank 1")
+	err := g.bufs[0].Destroy()
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "abandoned: rank 0 timed out waiting for rank 1")
+	assert.Contains(t, g.w.events(), "abandon symmetric 0")
+	assert.NotContains(t, g.w.events(), "close symmetric 0")
+	assert.Equal(t, 1, g.engineOf(t, 0).closes, "the engine still closes")
+	require.NoError(t, g.bufs[1].Destroy(), "a rank with no failure frees as before")
+	assert.Contains(t, g.w.events(), "close symmetric 1")
+}

@@ -14,6 +14,7 @@ type fakeSymmetric struct {
 
 func (f *fakeSymmetric) Data() unsafe.Pointer { return unsafe.Pointer(&f.base[0]) }
 func (f *fakeSymmetric) Close() error         { return nil }
+func (f *fakeSymmetric) Abandon(error) error  { return nil }
 func (f *fakeSymmetric) Peer(p int) unsafe.Pointer {
 	if f.mapped[p] {
 		return unsafe.Pointer(&f.base[p])

@@ -146,6 +146,11 @@ func (r *symRegion) Peer(p int) unsafe.Pointer {
 	return unsafe.Pointer(&w.regionLocked(p, int64(len(r.mem)))[0])
 }
 
+func (r *symRegion) Abandon(cause error) error {
+	r.b.w.event("abandon symmetric %d", r.rank)
+	return fmt.Errorf("abandoned: %w", cause)
+}
+
 func (r *symRegion) Close() error {
 	r.closes++
 	r.b.w.event("close symmetric %d", r.rank)
@@ -176,7 +181,10 @@ type stubEngine struct {
 	launches []bool // combine, per Launch
 	cleans   int
 	closes   int
+	failed   error // PeerFailure's answer
 }
+
+func (e *stubEngine) PeerFailure() error { return e.failed }
 
 // stubMaker is Params.Engines.LowLatency over stubEngine: made holds every engine made, err
 // (when set) fails the making.

@@ -69,6 +69,8 @@ _RANK = textwrap.dedent("""
     start = time.monotonic()
     try:
         round_trip()
+        if mode != "normal":
+            round_trip()  # on cuda a low-latency timeout is raised by the buffer's next call (kernels never block the host)
         print("RESULT no error", flush=True)
     except pyep.PyepError as e:
         print(f"RESULT {time.monotonic() - start:.1f}s {e}".replace("\\n", " "), flush=True)
@@ -97,7 +99,8 @@ def _backends():
 def test_peer_dies(group, backend, when, mode):
     """Rank 1 exits between two calls, or is killed while rank 0's dispatch waits for it; in normal mode, and in
     low-latency mode with the two ranks as two nodes (PYEP_RANKS_PER_NODE=1: on cuda over NVSHMEM, whose collective
-    free cannot finish without the dead peer, so destroy says that this process's NVSHMEM is left unusable)."""
+    free cannot finish without the dead peer: destroy leaves the region allocated, says that this process's NVSHMEM is
+    left unusable, and the GPU stays usable)."""
     if group.rank() == 0:
         env = dict(os.environ, PYEP_BACKEND=backend, PYEP_TIMEOUT_S=str(TIMEOUT_S))
         nvshmem = mode == "ll-nodes" and backend == "cuda"
@@ -129,9 +132,9 @@ def test_peer_dies(group, backend, when, mode):
         assert float(result.split("s ", 1)[0]) < TIMEOUT_S + 10, result
         destroyed = lines.get("DESTROY", "")
         if nvshmem:
-            # nvshmem_free is collective: it waits for the dead peer, bounded by the timeout, and says so.
-            assert destroyed.startswith("error") and "left unusable" in destroyed, out + err
-            assert float(destroyed.split()[1].rstrip("s")) < TIMEOUT_S + 10, destroyed
+            # nvshmem_free is collective and the peer is known to have failed: the region is left, at once.
+            assert destroyed.startswith("error") and "was not freed, since a peer failed" in destroyed, out + err
+            assert float(destroyed.split()[1].rstrip("s")) < TIMEOUT_S, destroyed
         else:
             assert destroyed.startswith("ok"), out + err
             # The dead peer's mapping went with its process: destroy does not wait out the timeout for it.

@@ -298,6 +298,23 @@ func (r *symmetricRegion) Peer(p int) unsafe.Pointer {
 	return devicePointer(driver.DevicePtr(ptr))
 }
 
+// Abandon implements goep.SymmetricRegion: a peer failed (cause), so the collective free would
+// wait for it forever (and NVSHMEM's barrier kernel would hold the GPU): the region stays
+// allocated and this process's NVSHMEM unusable; the GPU stays usable.
+func (r *symmetricRegion) Abandon(cause error) error {
+	if r.closed {
+		return nil
+	}
+	r.closed = true
+	group.Lock()
+	defer group.Unlock()
+	if group.stuck == nil {
+		group.stuck = fmt.Errorf("pyep: cuda: the NVSHMEM region was not freed, since a peer failed (%v) and nvshmem_free "+
+			"is collective; this process's NVSHMEM is left unusable (its GPU is not)", cause)
+	}
+	return group.stuck
+}
+
 // Close frees the region once the GPU is idle (nvshmem_free: collective, every rank destroys its
 // buffer). NVSHMEM itself, and the kernels registered with it, stay for the process's next buffer
 // across nodes (see group).

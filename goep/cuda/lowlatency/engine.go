@@ -212,6 +212,20 @@ type Recv struct {
 	done   bool
 }
 
+// PeerFailure implements goep.PeerFailures: once the device is idle, the recorded failure (a
+// peer that timed out), or nil.
+func (e *Engine) PeerFailure() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return e.dead
+	}
+	if err := e.b.SyncDevice(e.b.Timeout()); err != nil {
+		return nil // Close reports it
+	}
+	return e.failure()
+}
+
 // failure turns the error record into an error naming the peer, once.
 func (e *Engine) failure() error {
 	if e.dead != nil {
