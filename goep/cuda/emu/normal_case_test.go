@@ -285,13 +285,7 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) *caseRounds {
 			xs[r] = e.upload(t, c.dtype, x, int64(d.T), int64(c.hidden))
 			cached[r] = e.alloc(t, c.dtype, int64(len(ref[r].recvSrc)), int64(c.hidden))
 		}
-		errs := each(R, func(r int) error {
-			if len(only) > 0 && !slices.Contains(only, r) {
-				return nil
-			}
-			if rounds.before != nil {
-				rounds.before(r)
-			}
+		errs := eachOf(R, only, rounds.before, func(r int) error {
 			d := rd[r]
 			return envs[r].normal().Dispatch(peers[r], &goep.DispatchOp{Config: c.cfg, NumTokens: d.T, HiddenBytes: rowBytes,
 				NumWorstTokens: worst, X: xs[r].t, InRank: d.inRank.t, RankPrefix: d.rankPrefix.t, ChannelPrefix: d.channelPrefix.t,
@@ -340,13 +334,7 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) *caseRounds {
 			outs[r] = e.alloc(t, cdt, int64(d.T), int64(c.hidden))
 			outW[r] = e.alloc(t, dlpack.F32, int64(d.T), int64(K))
 		}
-		errs := each(R, func(r int) error {
-			if len(only) > 0 && !slices.Contains(only, r) {
-				return nil
-			}
-			if rounds.before != nil {
-				rounds.before(r)
-			}
+		errs := eachOf(R, only, rounds.before, func(r int) error {
 			d := rd[r]
 			return envs[r].normal().Combine(peers[r], &goep.CombineOp{Config: c.cfg, NumTokens: d.T, Hidden: c.hidden, NumTopk: K,
 				X: ys[r].t, TopkWeights: d.recvW.t, SrcIdx: d.recvSrc.t, RankPrefix: d.rankPrefix.t, ChannelPrefix: d.recvChannelPrefix.t,
@@ -482,4 +470,18 @@ func runQueued(t *testing.T, envs []*rankEnv, c rcase, topo []goep.Topology, pee
 			require.Equal(t, want.sendHead, i32s(o.sendH.b), "rank %d queued send_head", r)
 		}
 	}
+}
+
+// eachOf is each over the ranks of only (every rank when it is empty), calling before(r) (when
+// set) ahead of f(r).
+func eachOf(R int, only []int, before func(int), f func(r int) error) []error {
+	return each(R, func(r int) error {
+		if len(only) > 0 && !slices.Contains(only, r) {
+			return nil
+		}
+		if before != nil {
+			before(r)
+		}
+		return f(r)
+	})
 }
