@@ -176,9 +176,8 @@ class NormalMode:
         if fields is None:
             if kind == "dispatch":
                 fields = self.get_dispatch_config(self.group_size)._fields()
-            elif kind == "dispatch_fp8":  # a tuning file's FP8 entry where it has one, else the dispatch's
-                tuned = tuning.load_tuned("dispatch_fp8", self.group_size, type(self).num_sms)
-                fields = (tuned or self.get_dispatch_config(self.group_size))._fields()
+            elif kind == "dispatch_fp8":
+                fields = self._get_dispatch_fp8_config(self.group_size)._fields()
             else:
                 fields = (2 * channels,) + self.get_combine_config(self.group_size)._fields()[1:]
             self._configs[key] = fields

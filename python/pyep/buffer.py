@@ -321,6 +321,12 @@ class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
         """
         return load_tuned("combine", num_ranks, Buffer.num_sms) or Config._recommended("combine", num_ranks, Buffer.num_sms)
 
+    @staticmethod
+    def _get_dispatch_fp8_config(num_ranks: int) -> Config:
+        """The config a dispatch of FP8 rows without one takes: the tuning file's dispatch_fp8 entry for
+        `Buffer.num_sms` where there is one (FP8 rows are half as wide), else `get_dispatch_config`'s."""
+        return load_tuned("dispatch_fp8", num_ranks, Buffer.num_sms) or Buffer.get_dispatch_config(num_ranks)
+
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         """

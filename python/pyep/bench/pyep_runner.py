@@ -4,7 +4,6 @@ from typing import Callable, Optional, Tuple
 import torch.distributed as dist
 
 import pyep
-from pyep import tuning
 from .ep_runner import CONFIG_FIELDS, EPRunner
 from .ll_runner import LowLatencyRunner
 
@@ -23,10 +22,9 @@ class PyepRunner(EPRunner):
         saved = pyep.Buffer.num_sms
         try:
             pyep.Buffer.set_num_sms(num_sms)
-            if kind == "dispatch_fp8":  # what a dispatch of FP8 rows without a config runs with
-                cfg = tuning.load_tuned(kind, self.num_ranks, num_sms) or pyep.Buffer.get_dispatch_config(self.num_ranks)
-            else:
-                cfg = (pyep.Buffer.get_dispatch_config if kind == "dispatch" else pyep.Buffer.get_combine_config)(self.num_ranks)
+            get = {"dispatch": pyep.Buffer.get_dispatch_config, "combine": pyep.Buffer.get_combine_config,
+                   "dispatch_fp8": pyep.Buffer._get_dispatch_fp8_config}[kind]  # FP8: what a dispatch without a config takes
+            cfg = get(self.num_ranks)
         finally:
             pyep.Buffer.num_sms = saved
         return tuple(int(getattr(cfg, n)) for n in CONFIG_FIELDS)
