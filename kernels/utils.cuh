@@ -355,6 +355,8 @@ PYEP_DEVICE void red_add_release_cta(i32* p, i32 v) {
 // Orders everything this thread observed or wrote before it (cumulatively: also what other
 // threads released to it) before its later writes, for every observer in the system.
 PYEP_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// The same among this GPU's blocks.
+PYEP_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 // The pause of a busy-wait that has no timeout of its own: nothing on the GPU, where the waiter
 // owns its SM (the emulator yields the CPU instead).

@@ -209,6 +209,18 @@ static inline int atomicMin(int* p, int v) {
     return old;
 }
 static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+static inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+static inline unsigned long long atomicExch(unsigned long long* p, unsigned long long v) {
+    return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
+}
+static inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) {
+    unsigned long long old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    while (v > old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+    }
+    return old;
+}
 static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
     return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
 }
@@ -327,6 +339,7 @@ PYEP_DEVICE u64 ld_acquire_cta(const u64* p) { return __atomic_load_n(p, __ATOMI
 PYEP_DEVICE void st_release_cta(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 PYEP_DEVICE void red_add_release_cta(i32* p, i32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
 PYEP_DEVICE void fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
+PYEP_DEVICE void fence_acq_rel_gpu() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 PYEP_DEVICE void spin_pause() { sched_yield(); }
 PYEP_DEVICE u64 atomic_cas_sys(u64* p, u64 expected, u64 desired) {
     __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);

@@ -38,3 +38,6 @@ type opError = C.struct_pyep_op_error
 func opErrorCode(r *opError) *uint32 { return (*uint32)(unsafe.Pointer(&r.code)) }
 
 const opErrorBytes = int(unsafe.Sizeof(opError{}))
+
+// layoutWorkBytes is the layout workspace's header (params.h's pyep_layout_work), before its counts.
+const layoutWorkBytes = int(unsafe.Sizeof(C.struct_pyep_layout_work{}))

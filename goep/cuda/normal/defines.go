@@ -17,7 +17,7 @@ func itoa(n int) string { return strconv.Itoa(n) }
 
 // LayoutDefines are layout.cu's for blocks of threads.
 func LayoutDefines(threads int) map[string]string {
-	return map[string]string{"PYEP_LAYOUT_THREADS": itoa(threads), "PYEP_LAYOUT_EXPERTS_PER_BLOCK": itoa(layoutExpertsPerBlock)}
+	return map[string]string{"PYEP_LAYOUT_THREADS": itoa(threads)}
 }
 
 // NotifyDefines are notify's (intranode.cu) for numRanks ranks.
@@ -39,5 +39,3 @@ func CombineDefines(numRanks, hidden, dtype, topk, vec, threads int) map[string]
 	return map[string]string{"PYEP_COMBINE": "", "PYEP_RANKS": itoa(numRanks), "PYEP_HIDDEN": itoa(hidden),
 		"PYEP_DTYPE": itoa(dtype), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec), "PYEP_THREADS": itoa(threads)}
 }
-
-const layoutExpertsPerBlock = 64

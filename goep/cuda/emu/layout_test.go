@@ -1,0 +1,48 @@
+//go:build cgo
+
+package emu_test
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/dlpack"
+	"github.com/pyep/pyep/goep/normal"
+)
+
+// The layout kernel against goep/normal's layout over shapes that take each of its paths: no
+// tokens, several blocks (the emulator's blocks are 64 threads), more choices than it loads at
+// once, rows written four bytes at a time and one at a time, more ranks than a token's rank mask
+// holds, more experts than its shared counts hold. Each shape runs twice, then a smaller one, on
+// one engine: every layout must leave its workspace zero for the next.
+func TestEmulatedLayoutShapes(t *testing.T) {
+	envs := newDomain(t, 1, 8<<20)
+	e := envs[0]
+	rng := rand.New(rand.NewPCG(7, 11))
+	for _, s := range []struct{ T, K, E, R int }{
+		{0, 4, 8, 2}, {1, 1, 1, 1}, {200, 9, 24, 3}, {70, 8, 16, 8}, {150, 6, 144, 72}, {100, 6, 4100, 2}, {65, 2, 4, 4},
+	} {
+		t.Run(fmt.Sprintf("T%d_K%d_E%d_R%d", s.T, s.K, s.E, s.R), func(t *testing.T) {
+			topk := make([]int64, s.T*s.K)
+			for i := range topk {
+				topk[i] = int64(rng.IntN(s.E+1)) - 1 // -1: no expert
+			}
+			perRank, perExpert, inRank := make([]int32, s.R), make([]int32, s.E), make([]bool, s.T*s.R)
+			require.NoError(t, normal.Layout(topk, s.T, s.K, s.E, s.R, perRank, perExpert, inRank))
+			dTopk := e.upload(t, dlpack.I64, bytesOf(topk), int64(s.T), int64(s.K))
+			for round := range 2 {
+				dRank, dExpert := e.alloc(t, dlpack.I32, int64(s.R)), e.alloc(t, dlpack.I32, int64(s.E))
+				dIn := e.alloc(t, dlpack.BoolT, int64(s.T), int64(s.R))
+				require.NoError(t, e.normal().Layout(&goep.LayoutOp{NumExperts: s.E, NumRanks: s.R, TopkIdx: dTopk.t,
+					PerRank: dRank.t, PerExpert: dExpert.t, InRank: dIn.t}))
+				require.Equal(t, perRank, i32s(dRank.b), "round %d: num_tokens_per_rank", round)
+				require.Equal(t, perExpert, i32s(dExpert.b), "round %d: num_tokens_per_expert", round)
+				require.Equal(t, inRank, bools(dIn.b), "round %d: is_token_in_rank", round)
+			}
+		})
+	}
+}
