@@ -2,17 +2,111 @@
 `scales.T.contiguous().T`, DeepGEMM TMA-aligned ones) or int32, rows of any dtype, a handle as a list, DeepEP's
 argument types for Buffer; and what pyep refuses, with the argument's name. Runs on the cpu backend and with
 PYEP_TEST_DEVICE=cuda, against test_normal's reference."""
+import weakref
+
 import numpy as np
 import pytest
 import torch
 
 import pyep
+from conftest import TorchCalls
 from test_normal import Case, buffer_for, expected_combine, expected_receive, expert_output, inputs, on
 
 
 def layout_of(buffer, topk, E):
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
     return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+
+def expected_layout(topk, E, R):
+    """get_dispatch_layout's outputs, from torch: tokens per rank, (token, choice) pairs per expert, token in rank."""
+    t = topk.cpu()
+    ranks = torch.where(t >= 0, t // (E // R), -1)
+    in_rank = torch.stack([(ranks == r).any(1) for r in range(R)], 1)
+    return in_rank.sum(0).int(), torch.bincount(t[t >= 0], minlength=E).int(), in_rank
+
+
+def assert_layout(outs, topk, E, R):
+    per_rank, _, per_expert, in_rank, _ = outs
+    ref_rank, ref_expert, ref_in = expected_layout(topk, E, R)
+    assert torch.equal(per_rank.cpu(), ref_rank) and torch.equal(per_expert.cpu(), ref_expert)
+    assert torch.equal(in_rank.cpu(), ref_in)
+
+
+def test_layout_outputs_written_again_only_when_nothing_holds_them(group, device):
+    """The usual get_dispatch_layout writes the last one's tensors again when nothing else holds them (no reference,
+    no tensor on their memory), instead of allocating; never while a reference, a view or a detached copy is held, nor
+    on another stream."""
+    R = group.size()
+    E, T, K = 8 * R, 37, 4
+    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), 256)
+    g = torch.Generator().manual_seed(100 + group.rank())
+
+    def topk():
+        return torch.randint(-1, E, (T, K), generator=g).to(device)
+
+    t = topk()
+    first = buffer.get_dispatch_layout(t, E)
+    assert_layout(first, t, E, R)
+    was = weakref.ref(first[0])
+    del first
+    t = topk()
+    second = buffer.get_dispatch_layout(t, E)
+    assert second[0] is was(), "dropped outputs were not written again"
+    assert_layout(second, t, E, R)
+    del second
+
+    for name, hold in (("a tensor", lambda o: o[0]), ("a view", lambda o: o[3][:, 0]),
+                       ("a detached tensor", lambda o: o[2].detach())):
+        t = topk()
+        outs = buffer.get_dispatch_layout(t, E)
+        held, was = hold(outs), weakref.ref(outs[0])
+        kept = held.clone()
+        del outs
+        t = topk()
+        new = buffer.get_dispatch_layout(t, E)
+        assert new[0] is not was(), f"outputs written again while {name} of them was held"
+        assert torch.equal(held, kept), f"{name} of the last layout's outputs changed"
+        assert_layout(new, t, E, R)
+        del new, held
+    if device.type == "cuda":
+        was = weakref.ref(buffer.get_dispatch_layout(topk(), E)[0])
+        with torch.cuda.stream(torch.cuda.Stream()):
+            t = topk()
+            other = buffer.get_dispatch_layout(t, E)
+            assert other[0] is not was(), "outputs of one stream written again on another"
+            assert_layout(other, t, E, R)
+        torch.cuda.synchronize()
+
+
+def test_calls_run_without_torch_function_modes(group, device):
+    """Under a torch function mode (torch.set_default_device's, in DeepEP's tests) the layout, dispatch, cached
+    dispatch and combine route no torch call through it (each would cost microseconds of Python), and return what
+    they return without it."""
+    case = Case("modes", tokens=29, hidden=256)
+    me, R = group.rank(), group.size()
+    E = case.experts_per_rank * R
+    config = pyep.Buffer.get_dispatch_config(R)
+    buffer = buffer_for(group, config, case.hidden * 2)
+    x, topk, w = on(device, inputs(case, me, R))
+    ref_x, _, ref_topk, ref_w, _, ref_counts = expected_receive(case, me, R)
+    with TorchCalls() as calls:
+        layout = buffer.get_dispatch_layout(topk, E)
+        recv_x, recv_topk, recv_w, counts, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+            topk_idx=topk, topk_weights=w, config=config)
+        again, *_ = buffer.dispatch(x, handle=handle, config=config)
+    assert calls.seen == []
+    y = expert_output(recv_x, me)
+    with TorchCalls() as calls:
+        combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w, config=config)
+    assert calls.seen == []
+    assert_layout(layout, topk, E, R)
+    assert torch.equal(recv_x.cpu(), ref_x) and torch.equal(recv_topk.cpu(), ref_topk)
+    assert torch.equal(recv_w.cpu(), ref_w) and counts == ref_counts
+    assert torch.equal(again.cpu(), ref_x)
+    ref_combined, ref_weights = expected_combine(case, me, R, ())
+    assert torch.equal(combined.cpu(), ref_combined) and torch.equal(combined_w.cpu(), ref_weights)
 
 
 def column_major(scales, pad=0):

@@ -8,12 +8,14 @@ Stream object is made, and the Go functions are called without gopy's Python wra
 import array
 import functools
 import os
+import sys
 from typing import List, Optional, Tuple, Union
 
 import torch
 
 from . import _core, tuning
 from ._internode import tokens_per_node
+from ._tensors import modes_on, without_modes
 from .config import Config
 from .utils import EventHandle, EventOverlap
 
@@ -24,6 +26,12 @@ _QUEUED_DISPATCH = os.environ.get("PYEP_QUEUED_DISPATCH", "1") != "0"
 
 # goep.StreamOrder's flags.
 _WAIT, _JOIN, _ON_COMM, _PREVIOUS = 1, 2, 4, 8
+_USUAL = _WAIT | _JOIN  # no previous_event, async_finish or allocate_on_comm_stream
+
+# How many tensors share a storage (a private torch function; without it no layout's outputs are reused).
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+_refcount = sys.getrefcount
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: True)
 
 _go = _core.go
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -189,7 +197,7 @@ class NormalMode:
         previous_event, or else the current stream; the current stream waits for it unless async_finish)."""
         stream = _current_stream(self._device_index) if self._cuda else 0
         if previous_event is None and not async_finish and not allocate_on_comm_stream:
-            return stream, 0, _WAIT | _JOIN  # the usual call, first
+            return stream, 0, _USUAL  # the usual call, first
         flags = (0 if async_finish else _JOIN) | (_ON_COMM if allocate_on_comm_stream else 0)
         if previous_event is None:
             return stream, 0, flags | _WAIT
@@ -252,6 +260,16 @@ class NormalMode:
                                   T, C, rows) + addresses
         return handle
 
+    @staticmethod
+    def _reusable_layout(lay: tuple) -> bool:
+        """Whether nothing but `lay` (the last layout's record) holds its outputs: no reference to the three tensors
+        (the tuple's and getrefcount's own are the two counted) and no other tensor on their memory (a view or a
+        handle's is_token_in_rank: the storage's use count as when they were made). The usual call on the same stream
+        may then write them again instead of allocating: the caching allocator would hand that memory to the same
+        stream, in the same order, once they were freed."""
+        return (_refcount(lay[0]) == 2 and _refcount(lay[1]) == 2 and _refcount(lay[2]) == 2
+                and _USE_COUNT(lay[2].untyped_storage()._cdata) == lay[9])
+
     def _counts_for(self, n: int) -> int:
         """The address of room for n int32 counts."""
         if len(self._counts) < n:
@@ -287,22 +305,39 @@ class NormalMode:
             is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
             event: the event of the computation (set when `async_finish`).
         """
+        if modes_on():
+            with without_modes():
+                return self.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
+                                                allocate_on_comm_stream)
         tp, tt, tv, tn, T, t1, ts0, ts1 = _desc2("topk_idx", topk_idx)
         E = num_experts if type(num_experts) is int else _int("num_experts", num_experts, 1)
         stream, event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
         R = self.group_size
-        # per_rank [R] and per_expert [E] int32, then in_rank [T, R] bool, in one allocation.
+        # per_rank [R] and per_expert [E] int32, then in_rank [T, R] bool, in one allocation: the last layout's when
+        # nothing else holds it (see _reusable_layout).
         at_in_rank = _align(4 * (R + max(E, 0)))
-        block = self._empty(flags, (at_in_rank + _align(T * R)) // 4, torch.int32)
-        base = block.data_ptr()
+        key = (T, E, stream) if flags == _USUAL and _USE_COUNT is not None and not self._multi_domain else None
+        if key is not None and self._cuda and _capturing():
+            key = None  # a graph's memory: never handed out again
+        lay = self._layout
+        block = None
+        if key is not None and lay is not None and lay[8] == key and self._reusable_layout(lay):
+            base = lay[4][0]
+        else:
+            block = self._empty(flags, (at_in_rank + _align(T * R)) // 4, torch.int32)
+            base = block.data_ptr()
         try:
             _go.Layout(self._rid, E, tp, tt, tv, tn, T, t1, ts0, ts1, base, base + 4 * R, base + at_in_rank,
                        stream, event, flags)
         except RuntimeError as e:
             raise _core.error(e) from None
-        per_rank = block.as_strided((R,), (1,), 0)
-        per_expert = block.as_strided((E,), (1,), R)
-        in_rank = _rows(block.view(torch.bool), at_in_rank, T, R)
+        if block is None:
+            per_rank, per_expert, in_rank = lay[0], lay[1], lay[2]
+        else:
+            per_rank = block.as_strided((R,), (1,), 0)
+            per_expert = block.as_strided((E,), (1,), R)
+            in_rank = _rows(block.view(torch.bool), at_in_rank, T, R)
+            del block
         per_rdma_rank = tokens_per_node(topk_idx, E, self.runtime.get_num_rdma_ranks()) if self._multi_domain else None
         # A dispatch that gets these tensors back unchanged (the same objects, their version counters where they were)
         # takes their descriptions from here instead of reading them again: a description costs about a microsecond.
@@ -310,7 +345,8 @@ class NormalMode:
         self._layout = (per_rank, per_expert, in_rank, in_rank._version,
                         (base, _INT32, dev, 1, R, 0, 1, 0, base + 4 * R, _INT32, dev, 1, E, 0, 1, 0,
                          base + at_in_rank, _BOOL, dev, 2, T, R, R, 1),
-                        topk_idx, topk_idx._version, (tp, tt, tv, tn, T, t1, ts0, ts1))
+                        topk_idx, topk_idx._version, (tp, tt, tv, tn, T, t1, ts0, ts1),
+                        key, None if key is None else _USE_COUNT(in_rank.untyped_storage()._cdata))
         return per_rank, per_rdma_rank, per_expert, in_rank, self._finish(
             async_finish, flags, (topk_idx, per_rank, per_expert, in_rank))
 
@@ -369,6 +405,11 @@ class NormalMode:
                 tensors are views of one allocation; recv_x, its scales, recv_topk_idx and recv_topk_weights of another.
             event: the event of the dispatch (set when `async_finish`).
         """
+        if modes_on():
+            with without_modes():
+                return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                     config, previous_event, async_finish, allocate_on_comm_stream)
         if self._multi_domain:
             return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, config,
@@ -521,6 +562,10 @@ class NormalMode:
                 topk_weights).
             event: the event of the combine (set when `async_finish`).
         """
+        if modes_on():
+            with without_modes():
+                return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                    allocate_on_comm_stream)
         if self._multi_domain:
             return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                           allocate_on_comm_stream)
