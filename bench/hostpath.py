@@ -38,6 +38,11 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--json", help="also write the medians (and every sample) here")
+    p.add_argument("--default-device", action="store_true",
+                   help="torch.set_default_device(the device) first, as DeepEP's tests do (a torch function mode)")
+    p.add_argument("--harness", action="store_true",
+                   help="also time each call as DeepEP V1's tests/utils.py bench does (calls back to back, events "
+                        "around each): the event time, and the host time of the same calls")
     return p.parse_args(argv)
 
 
@@ -62,6 +67,8 @@ def main(argv=None):
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
     group = dist.group.WORLD
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if args.default_device:
+        torch.set_default_device(device)
     if args.sms:
         pyep.Buffer.set_num_sms(args.sms)
     T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
@@ -120,6 +127,8 @@ def main(argv=None):
         report["median_us"][name] = med
         report["samples_us"][name] = samples
         print(f"{name:16s}" + "".join(f"{'-' if med[c] is None else format(med[c], '.1f'):>10s}" for c in columns))
+    if cuda and args.harness:
+        report["harness_us"] = harness(calls)
     if cuda:
         torch.cuda.synchronize()
     if args.json:
@@ -129,6 +138,44 @@ def main(argv=None):
     dist.destroy_process_group()
     time.sleep(0.1)  # gloo's worker threads release the barrier's tensors (see README, Known issues)
     return report
+
+
+def harness(calls, warmups=50, tests=50):
+    """DeepEP V1's bench (tests/utils.py): warmups queued without a wait, one 256 MB memset, then `tests` calls
+    back to back with an event before and after each; the mean of the event times after the first. Beside it the
+    mean host time of those calls; the events with the device idle before each call; and with the 256 MB memset
+    before each call instead (the device busy when the call is queued: its kernels' time, L2 flushed)."""
+    print("DeepEP V1's harness: mean µs of the events around a call (calls back to back), the host time of those "
+          "calls, the events with the device idle before each call, and with L2 flushed before each (kernel time)")
+    print(f"{'call':16s}{'events':>10s}{'host':>10s}{'idle':>10s}{'flushed':>10s}")
+    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
+    out = {}
+    for name, call in calls.items():
+        row = []
+        for mode in ("back_to_back", "idle", "flushed"):
+            torch.cuda.synchronize()
+            for _ in range(warmups):
+                call()
+            cache.zero_()
+            start = [torch.cuda.Event(enable_timing=True) for _ in range(tests)]
+            end = [torch.cuda.Event(enable_timing=True) for _ in range(tests)]
+            host = []
+            for i in range(tests):
+                if mode == "idle":
+                    torch.cuda.synchronize()
+                elif mode == "flushed":
+                    cache.zero_()
+                start[i].record()
+                t0 = time.perf_counter_ns()
+                call()
+                host.append((time.perf_counter_ns() - t0) / 1e3)
+                end[i].record()
+            torch.cuda.synchronize()
+            ev = [s.elapsed_time(e) * 1e3 for s, e in zip(start, end)][1:]
+            row += [statistics.mean(ev)] + ([statistics.mean(host[1:])] if mode == "back_to_back" else [])
+        out[name] = dict(zip(("events", "host", "idle", "flushed"), (round(v, 2) for v in row)))
+        print(f"{name:16s}" + "".join(f"{v:10.1f}" for v in row))
+    return out
 
 
 if __name__ == "__main__":

@@ -84,3 +84,28 @@ def record_spawned_sets(mp):
 
     mp.setattr(launch, "_spawn_set", record)
     return sets
+
+
+class TorchCalls:
+    """A torch function mode (as torch.set_default_device installs) that counts the torch calls routed through it:
+    pyep's calls run without modes, so they make none."""
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+
+        calls = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                calls.seen.append(getattr(func, "__name__", str(func)))
+                return func(*args, **(kwargs or {}))
+
+        self.seen = []
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)

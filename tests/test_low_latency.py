@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import pyep
-from conftest import BACKEND
+from conftest import BACKEND, TorchCalls
 
 
 
@@ -210,6 +210,24 @@ def test_dispatch_combine_bf16(buffer, rank, num_ranks, case):
         if hook:
             hook()
         assert torch.equal(out.cpu(), ref_combine(inp, rank, set(), E // R))
+
+
+def test_calls_run_without_torch_function_modes(buffer, rank, num_ranks):
+    """Under a torch function mode (torch.set_default_device's, in DeepEP's tests) the low-latency dispatch and
+    combine route no torch call through it, and return what they return without it."""
+    R, E, M, H, K = num_ranks, EXPERTS_PER_RANK * num_ranks, 16, 256, 4
+    buffer.clean_low_latency_buffer(M, H, E)
+    inp = make_inputs(3, R, [M - 3] * R, H, E, K)
+    x, topk, w = inp.x[rank].to(dev()), inp.topk[rank].to(dev()), inp.w[rank].to(dev())
+    with TorchCalls() as calls:
+        recv, count, handle, _, _ = buffer.low_latency_dispatch(x, topk, M, E, use_fp8=False)
+    assert calls.seen == []
+    check_dispatch(inp, rank, R, M, E, recv, count, handle)
+    y = expert_outputs(recv, handle, rank, E, R)
+    with TorchCalls() as calls:
+        out, _, _ = buffer.low_latency_combine(y, topk, w, handle)
+    assert calls.seen == []
+    assert torch.equal(out.cpu(), ref_combine(inp, rank, set(), E // R))
 
 
 @pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])

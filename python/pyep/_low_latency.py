@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import _core
 from ._core import not_available
+from ._tensors import modes_on, without_modes
 from .utils import EventHandle, EventOverlap
 
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -215,6 +216,11 @@ class LowLatencyMixin:
             event: the event of the dispatch (set when `async_finish`).
             hook: the receiving hook (with `return_recv_hook`).
         """
+        if modes_on():
+            with without_modes():
+                return self.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                                 use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
         bid = self._ll_id or self._ll("low_latency_dispatch")
         R, dev = self.group_size, self._device
         M, E = num_max_dispatch_tokens_per_rank, num_experts
@@ -328,6 +334,10 @@ class LowLatencyMixin:
             event: the event of the combine (set when `async_finish`).
             hook: the receiving hook (with `return_recv_hook`).
         """
+        if modes_on():
+            with without_modes():
+                return self.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                                return_recv_hook, out, combine_wait_recv_cost_stats)
         bid = self._ll_id or self._ll("low_latency_combine")
         R, dev = self.group_size, self._device
         # The usual call passes every check in one test; any other runs them one by one, raising the first failure.
