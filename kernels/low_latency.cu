@@ -104,6 +104,18 @@ PYEP_DEVICE void signal_peer(const LLParams& p, int r, u64* word, u64 v) {
     st_release_sys(word, v);
 }
 
+// signal_peer right after the caller's fence_acq_rel_sys: a relaxed system-scope store after that
+// fence is a release already (st.release would fence again).
+PYEP_DEVICE void signal_peer_fenced(const LLParams& p, int r, u64* word, u64 v) {
+#ifdef PYEP_LL_REMOTE
+    if (is_remote(p, r)) {
+        remote_signal(word, v, r);
+        return;
+    }
+#endif
+    st_relaxed_sys(word, v);
+}
+
 // One warp puts n bytes from src (local) to dst in remote peer r's region.
 PYEP_DEVICE void put_peer(int r, void* dst, const void* src, u64 n) {
 #ifdef PYEP_LL_REMOTE
@@ -156,19 +168,22 @@ PYEP_DEVICE bool thread_wait(const LLParams& p, int peer, int what, Ready ready,
 }
 
 // The end of a receive: once every block has finished, the last acknowledges the call to the
-// unmasked peers and counts it received.
+// unmasked peers and counts it received. A block's reads of its messages have returned (their
+// values are stored) when it counts itself, so a count at GPU scope (acquire and release: the last
+// block sees every block's count) and one system-scope fence in the last block, before the
+// acknowledgements, order every read of the grid before a peer's next write.
 PYEP_DEVICE void finish_recv(const LLParams& p, u32 seq) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        fence_acq_rel_sys();
         i32* counter = reinterpret_cast<i32*>(p.counter);
-        if (atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1) {
+        if (atomic_add_acq_rel_gpu(counter, 1) == static_cast<int>(gridDim.x) - 1) {
+            fence_acq_rel_sys();
             for (int r = 0; r < p.num_ranks; r++)
                 if (r != p.rank && !masked(p, r))
-                    signal_peer(p, r, reinterpret_cast<u64*>(region(p, r) + p.off_ack) + p.half * p.num_ranks + p.rank,
-                                static_cast<u64>(seq));
+                    signal_peer_fenced(p, r, reinterpret_cast<u64*>(region(p, r) + p.off_ack) + p.half * p.num_ranks + p.rank,
+                                       static_cast<u64>(seq));
             st_volatile(counter, 0);
-            st_release_sys(reinterpret_cast<u64*>(p.calls) + p.half, static_cast<u64>(seq));
+            st_relaxed_sys(reinterpret_cast<u64*>(p.calls) + p.half, static_cast<u64>(seq));
         }
     }
 }
@@ -343,6 +358,41 @@ PYEP_DEVICE void count_selections(const LLParams& p, const i32* g, const i32* be
     }
 }
 
+// The same counts from per-expert bitmaps of the tokens that selected each expert (mark_selections:
+// word w of expert g's row, bit i for token 32 w + i), which every block builds once a call in
+// shared memory: a query is then a few popcounts instead of a ballot of every warp.
+constexpr int kMarkWords = 8192;  // E * ceil(T / 32) words at most; more experts or tokens count by ballots
+PYEP_DEVICE void mark_selections(const LLParams& p, u32* marks, int W) {
+    const int tid = static_cast<int>(threadIdx.x), E = p.num_experts;
+    const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
+    for (int i = tid; i < E * W; i += kThreads) marks[i] = 0;
+    __syncthreads();
+    for (int t = tid; t < p.num_tokens; t += kThreads) {
+        i64 e[kTopk];
+#pragma unroll
+        for (int k = 0; k < kTopk; k++) e[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
+#pragma unroll
+        for (int k = 0; k < kTopk; k++)
+            if (e[k] >= 0 && e[k] < E) atomicOr(marks + e[k] * W + t / 32, 1u << (t % 32));
+    }
+    __syncthreads();
+}
+PYEP_DEVICE void count_marked(const u32* marks, int W, const i32* g, const i32* before_tok, int nq, i32* before, i32* total) {
+    for (int q = static_cast<int>(threadIdx.x); q < nq; q += kThreads) {
+        if (g[q] < 0) continue;
+        const u32* m = marks + g[q] * W;
+        const int t = before_tok[q];
+        int all = 0, early = 0;
+        for (int w = 0; w < W; w++) {
+            const u32 v = m[w];
+            all += __popc(v);
+            if (w < t / 32) early += __popc(v);
+            if (w == t / 32) early += __popc(v & ((1u << (t % 32)) - 1u));
+        }
+        before[q] = early, total[q] = all;
+    }
+}
+
 // Send: a unit is a token. For a batch of its tokens, the block settles every selection (expert g
 // of token t, once however often t selected g): its slot at g's rank is the number of tokens
 // before t that selected g (so that receivers get g's rows in token order, as the reference
@@ -372,6 +422,10 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     u8* staged = local(p) + p.off_send;  // remote ranks' messages, by token
     const int owned = b < E ? (E - b + G - 1) / G : 0;  // experts b, b + G, ...
     PYEP_LL_STAMP_START(p, PYEP_LL_DS_START, PYEP_LL_DS_FLAGGED);
+    PYEP_SHARED(u32, s_marks, kMarkWords);
+    const int W = (T + 31) / 32;
+    const bool marked = E * W <= kMarkWords;  // block-uniform
+    if (marked && (b < T || owned > 0)) mark_selections(p, s_marks, W);
     for (int u0 = b, asked = 0; u0 < T || asked < owned; u0 += kBatch * G) {
         const int P = u0 < T ? batch_units(u0, T) : 0, S = P * kTopk;
         const int own = owned - asked < kOwn ? owned - asked : kOwn;
@@ -389,7 +443,10 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         for (int q = tid; q < own; q += kThreads) s_g[S + q] = b + (asked + q) * G, s_t[S + q] = 0, s_before[S + q] = 0, s_total[S + q] = 0;
         __syncthreads();
         PYEP_LL_STAMP(p, PYEP_LL_DS_SETTLED);
-        count_selections(p, s_g, s_t, S + own, s_before, s_total);
+        if (marked)
+            count_marked(s_marks, W, s_g, s_t, S + own, s_before, s_total);
+        else
+            count_selections(p, s_g, s_t, S + own, s_before, s_total);
         __syncthreads();
         PYEP_LL_STAMP(p, PYEP_LL_DS_COUNTED);
         for (int q = tid; q < own; q += kThreads) {
@@ -453,7 +510,8 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
             // The last of g's selections: every block's messages for g are ordered before this.
             fence_acq_rel_sys();
             st_volatile(sent + g, 0);  // for the next call (a later kernel)
-            if (!masked(p, g / L)) signal_peer(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[s]));
+            if (!masked(p, g / L))
+                signal_peer_fenced(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[s]));
         }
         PYEP_LL_STAMP(p, PYEP_LL_DS_FLAGGED);
     }
@@ -640,8 +698,8 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
         if (tid < P && s_ok[tid] != 0) {
             const int pair = u0 + tid * G;
             fence_acq_rel_sys();  // the block's rows (ordered before this by the barrier) reach d first
-            signal_peer(p, pair % R, reinterpret_cast<u64*>(region(p, pair % R) + p.off_cflags) + p.rank * L + pair / R,
-                        static_cast<u64>(seq) << 32 | 1u);
+            signal_peer_fenced(p, pair % R, reinterpret_cast<u64*>(region(p, pair % R) + p.off_cflags) + p.rank * L + pair / R,
+                               static_cast<u64>(seq) << 32 | 1u);
         }
         PYEP_LL_STAMP(p, PYEP_LL_CS_FLAGGED);
     }

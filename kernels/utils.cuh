@@ -130,6 +130,13 @@ PYEP_DEVICE void red_add_release_sys(i32* p, i32 v) {
     asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Adds v to *p and returns the old value, with acquire and release semantics among this GPU's blocks.
+PYEP_DEVICE i32 atomic_add_acq_rel_gpu(i32* p, i32 v) {
+    i32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
 PYEP_DEVICE u32 atomic_cas_relaxed_sys(u32* p, u32 expected, u32 desired) {
     u32 old;
     asm volatile("atom.relaxed.sys.global.cas.b32 %0, [%1], %2, %3;"

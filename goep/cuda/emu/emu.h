@@ -209,6 +209,7 @@ static inline int atomicMin(int* p, int v) {
     return old;
 }
 static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
 static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 static inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
 static inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
@@ -340,6 +341,7 @@ PYEP_DEVICE void st_release_cta(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC
 PYEP_DEVICE void red_add_release_cta(i32* p, i32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
 PYEP_DEVICE void fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 PYEP_DEVICE void fence_acq_rel_gpu() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
+PYEP_DEVICE i32 atomic_add_acq_rel_gpu(i32* p, i32 v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
 PYEP_DEVICE void spin_pause() { sched_yield(); }
 PYEP_DEVICE u64 atomic_cas_sys(u64* p, u64 expected, u64 desired) {
     __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
