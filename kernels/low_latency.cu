@@ -527,14 +527,179 @@ constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
 constexpr int kScaleVecs = kFP8 ? (kScales + 3) / 4 : 0;                // 16-byte vectors of a message's scales
 constexpr int kMsgVecs = kMsgHeader / 16 + kRowBytes / 16 + kScaleVecs;  // the vectors of a message that are read
 static_assert(kMsgHeader == 16, "a message's header is one vector");
+// Moves the vectors of `rows` messages, kRowUnroll in flight a thread: locate(k, j, row, msg) says
+// that message k (of this block's list) is for local expert j, goes to row `row` of recv_x (of all
+// experts' rows) and is at msg in this rank's receive area.
+template <typename Locate>
+PYEP_DEVICE void move_messages(const LLParams& p, int rows, Locate locate) {
+    const i64 RM = static_cast<i64>(p.num_ranks) * p.max_tokens;
+    const int total = rows * kMsgVecs;
+    for (int q0 = static_cast<int>(threadIdx.x); q0 < total; q0 += kThreads * kRowUnroll) {
+        int4 v[kRowUnroll];
+        i64 row[kRowUnroll];  // the message's row in recv_x (of all experts' rows)
+        int j[kRowUnroll];
+#pragma unroll
+        for (int u = 0; u < kRowUnroll; u++) {
+            const int q = q0 + u * kThreads;
+            if (q >= total) break;
+            const u8* msg;
+            locate(q / kMsgVecs, j[u], row[u], msg);
+            v[u] = ld_ring(reinterpret_cast<const int4*>(msg) + q % kMsgVecs);
+        }
+#pragma unroll
+        for (int u = 0; u < kRowUnroll; u++) {
+            const int q = q0 + u * kThreads;
+            if (q >= total) break;
+            const int w = q % kMsgVecs - 1;  // the vector's place after the header
+            if (w < 0) {
+                st_na(reinterpret_cast<int*>(p.src_info) + row[u], v[u].x);
+            } else if (w < kRowBytes / 16) {
+                st_na(reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + row[u] * kRowBytes) + w, v[u]);
+            } else {
+                // Scales 4c .. 4c + 3 (those < kScales); column-major: column c of expert j at (j * cols + c) * RM.
+                const int c = w - kRowBytes / 16;
+                const u32 f[4] = {static_cast<u32>(v[u].x), static_cast<u32>(v[u].y), static_cast<u32>(v[u].z), static_cast<u32>(v[u].w)};
+                const i64 r = row[u] - static_cast<i64>(j[u]) * RM;
+                if (kUE8M0) {
+                    u32 word = 0;
+#pragma unroll
+                    for (int b = 0; b < 4; b++)
+                        if (4 * c + b < kScales) word |= ((f[b] >> 23) & 0xffu) << (8 * b);
+                    st_na(reinterpret_cast<int*>(p.recv_scales) + (static_cast<i64>(j[u]) * kScaleVecs + c) * RM + r, static_cast<int>(word));
+                } else {
+#pragma unroll
+                    for (int b = 0; b < 4; b++)
+                        if (4 * c + b < kScales)
+                            st_na(reinterpret_cast<int*>(p.recv_scales) + (static_cast<i64>(j[u]) * kScales + 4 * c + b) * RM + r,
+                                  static_cast<int>(f[b]));
+                }
+            }
+        }
+    }
+}
+
+// What the receive records of pair (local expert j, source s) once its count n and its first row
+// begin among j's rows are known: layout_range, and with the last source j's count and statistics.
+PYEP_DEVICE void record_pair(const LLParams& p, int j, int s, i64 begin, i64 n) {
+    reinterpret_cast<i64*>(p.layout_range)[j * p.num_ranks + s] = begin << 32 | n;
+    if (s == p.num_ranks - 1) {
+        reinterpret_cast<i32*>(p.count)[j] = static_cast<i32>(begin + n);
+        if (p.cum_stats != 0) atomicAdd(reinterpret_cast<i32*>(p.cum_stats) + j, static_cast<i32>(begin + n));
+    }
+}
+
+// Source r's count of messages for local expert j, once its flag for this call arrived (0 when r
+// is masked or timed out); charge: whether this thread adds the wait to r's statistics.
+PYEP_DEVICE int source_count(const LLParams& p, int j, int r, u32 seq, bool charge) {
+    if (masked(p, r)) return 0;
+    const u64* f = reinterpret_cast<const u64*>(local(p) + p.off_dflags) + j * p.num_ranks + r;
+    u64 v = 0, spent;
+    const bool ok = thread_wait(p, r, kWaitDispatch, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; }, spent);
+    if (charge && p.wait_stats != 0)
+        atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + r, static_cast<unsigned long long>(spent));
+    const int n = ok ? static_cast<int>(static_cast<u32>(v)) : 0;
+    return n < p.max_tokens ? n : p.max_tokens;
+}
+
+// The exclusive prefix sum of one value a thread, in thread order, and the block's total. Every
+// thread of the block calls it (two barriers and one after, so that s_warp may be used again).
+PYEP_DEVICE int block_exclusive_sum(int v, i32* s_warp, int& total) {
+    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32;
+    int x = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) s_warp[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = lane < kWarps ? s_warp[lane] : 0;
+        int y = w;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int z = __shfl_up_sync(0xffffffffu, y, d);
+            if (lane >= d) y += z;
+        }
+        if (lane < kWarps) s_warp[lane] = y - w;
+        if (lane == kWarps - 1) s_warp[kWarps] = y;
+    }
+    __syncthreads();
+    total = s_warp[kWarps];
+    const int before = s_warp[warp] + x - v;
+    __syncthreads();
+    return before;
+}
+
+// Receive, rows balanced over the blocks (when a block can hold every pair's count): every block
+// reads the counts of all pairs (local expert j, source s), j-major (a thread a pair; pair c's
+// owner, block c % G, charges the waits and records the pair), takes their prefix sums, and moves
+// an equal share of the rows: its rows [N b / G, N (b + 1) / G) of the N received, kRowsRound a
+// round, each row's pair found by a binary search over the prefix sums. A block's time is then
+// its share, not the pairs it was dealt (whose rows vary with the routing).
+constexpr int kPairsShared = 4 * kThreads;  // pairs a block holds the prefix sums of
+constexpr int kRowsRound = 64;               // rows a block locates at once
+PYEP_DEVICE void dispatch_recv_balanced(const LLParams& p, u32 seq) {
+    PYEP_SHARED(i32, s_first, kPairsShared + 1);  // pair c's first row among all received; [NP] = N
+    PYEP_SHARED(i32, s_warp, kWarps + 1);
+    PYEP_SHARED(i32, s_pair, kRowsRound);  // the pair of each row of the round
+    const int R = p.num_ranks, L = p.num_experts / R, NP = L * R, G = static_cast<int>(gridDim.x);
+    const int tid = static_cast<int>(threadIdx.x), b = static_cast<int>(blockIdx.x);
+    const i64 RM = static_cast<i64>(R) * p.max_tokens;
+    const u8* recv = local(p) + p.off_recv;
+    PYEP_LL_STAMP_START(p, PYEP_LL_DR_START, PYEP_LL_DR_DONE);
+    int carry = 0;
+    for (int c0 = 0; c0 < NP; c0 += kThreads) {  // block-uniform
+        const int c = c0 + tid;
+        const int n = c < NP ? source_count(p, c / R, c % R, seq, c % G == b) : 0;
+        int total;
+        const int before = block_exclusive_sum(n, s_warp, total);
+        if (c < NP) s_first[c] = carry + before;
+        carry += total;
+    }
+    if (tid == 0) s_first[NP] = carry;
+    __syncthreads();
+    PYEP_LL_STAMP(p, PYEP_LL_DR_FLAGS);
+    for (int c = b + tid * G; c < NP; c += kThreads * G) {
+        const int j = c / R;
+        record_pair(p, j, c % R, s_first[c] - s_first[j * R], s_first[c + 1] - s_first[c]);
+    }
+    const int N = carry;
+    const int r0 = static_cast<int>(static_cast<i64>(N) * b / G), r1 = static_cast<int>(static_cast<i64>(N) * (b + 1) / G);
+    for (int k0 = r0; k0 < r1; k0 += kRowsRound) {
+        const int rows = r1 - k0 < kRowsRound ? r1 - k0 : kRowsRound;
+        if (tid < rows) {
+            int lo = 0, hi = NP - 1;  // the last pair whose first row is <= k0 + tid
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) / 2;
+                if (s_first[mid] <= k0 + tid) lo = mid;
+                else hi = mid - 1;
+            }
+            s_pair[tid] = lo;
+        }
+        __syncthreads();
+        move_messages(p, rows, [&](int k, int& j, i64& row, const u8*& msg) {
+            const int c = s_pair[k], i = k0 + k - s_first[c];
+            j = c / R;
+            row = j * RM + (s_first[c] - s_first[j * R]) + i;
+            msg = recv + (static_cast<u64>(c) * p.max_tokens + i) * p.msg_bytes;
+        });
+        __syncthreads();  // the round's readers are done with s_pair
+    }
+    PYEP_LL_STAMP(p, PYEP_LL_DR_COPIED);
+}
+
 PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
+    if (p.num_experts <= kPairsShared) {  // L * R pairs
+        dispatch_recv_balanced(p, seq);
+        return;
+    }
     PYEP_SHARED(i32, s_begin, kBatch);  // pair i's first row in j's rows
     PYEP_SHARED(i32, s_n, kBatch);      // pair i's rows
     PYEP_SHARED(i32, s_row, kBatch + 1);
     const int lane = lane_id(), R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens, G = static_cast<int>(gridDim.x);
     const int tid = static_cast<int>(threadIdx.x);
     const i64 RM = static_cast<i64>(R) * M;
-    const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_dflags);
     const u8* recv = local(p) + p.off_recv;
     PYEP_LL_STAMP_START(p, PYEP_LL_DR_START, PYEP_LL_DR_DONE);
     for (int u0 = static_cast<int>(blockIdx.x); u0 < L * R; u0 += kBatch * G) {
@@ -543,78 +708,27 @@ PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
         if (tid < P) s_begin[tid] = 0, s_n[tid] = 0;
         __syncthreads();
         if (tid < 32) {
-            // Item c: source r's count for pair i (0 when masked or timed out); a source's wait is
-            // charged to it.
+            // Item c: source r's count for pair i; a source's wait is charged to it.
             for (int c = lane; c < P * R; c += 32) {
-                const int i = c / R, r = c % R, pair = u0 + i * G, j = pair / R, s = pair % R;
-                if (r > s || masked(p, r)) continue;
-                const u64* f = flags + j * R + r;
-                u64 v = 0, spent;
-                const bool ok =
-                    thread_wait(p, r, kWaitDispatch, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; }, spent);
-                if (r == s && p.wait_stats != 0)
-                    atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s, static_cast<unsigned long long>(spent));
-                const int n = ok ? static_cast<int>(static_cast<u32>(v)) : 0;
+                const int i = c / R, r = c % R, pair = u0 + i * G, s = pair % R;
+                if (r > s) continue;
+                const int n = source_count(p, pair / R, r, seq, r == s);
                 if (r < s) atomicAdd(s_begin + i, n);
-                else s_n[i] = n < M ? n : M;
+                else s_n[i] = n;
             }
             warp0_prefix(s_n, s_row, P, 1);
         }
         __syncthreads();
         PYEP_LL_STAMP(p, PYEP_LL_DR_FLAGS);
-        const int total = s_row[P] * kMsgVecs;
-        for (int q0 = tid; q0 < total; q0 += kThreads * kRowUnroll) {
-            int4 v[kRowUnroll];
-            i64 row[kRowUnroll];  // the message's row in recv_x (of all experts' rows)
-            int j[kRowUnroll];
-#pragma unroll
-            for (int u = 0; u < kRowUnroll; u++) {
-                const int q = q0 + u * kThreads;
-                if (q >= total) break;
-                const int k = q / kMsgVecs, i = unit_of(s_row, P, k), pair = u0 + i * G;
-                j[u] = pair / R;
-                row[u] = j[u] * RM + s_begin[i] + (k - s_row[i]);
-                const u8* msg = recv + ((static_cast<u64>(j[u]) * R + pair % R) * M + (k - s_row[i])) * p.msg_bytes;
-                v[u] = ld_ring(reinterpret_cast<const int4*>(msg) + q % kMsgVecs);
-            }
-#pragma unroll
-            for (int u = 0; u < kRowUnroll; u++) {
-                const int q = q0 + u * kThreads;
-                if (q >= total) break;
-                const int w = q % kMsgVecs - 1;  // the vector's place after the header
-                if (w < 0) {
-                    st_na(reinterpret_cast<int*>(p.src_info) + row[u], v[u].x);
-                } else if (w < kRowBytes / 16) {
-                    st_na(reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + row[u] * kRowBytes) + w, v[u]);
-                } else {
-                    // Scales 4c .. 4c + 3 (those < kScales); column-major: column c of expert j at (j * cols + c) * RM.
-                    const int c = w - kRowBytes / 16;
-                    const u32 f[4] = {static_cast<u32>(v[u].x), static_cast<u32>(v[u].y), static_cast<u32>(v[u].z), static_cast<u32>(v[u].w)};
-                    const i64 r = row[u] - static_cast<i64>(j[u]) * RM;
-                    if (kUE8M0) {
-                        u32 word = 0;
-#pragma unroll
-                        for (int b = 0; b < 4; b++)
-                            if (4 * c + b < kScales) word |= ((f[b] >> 23) & 0xffu) << (8 * b);
-                        st_na(reinterpret_cast<int*>(p.recv_scales) + (static_cast<i64>(j[u]) * kScaleVecs + c) * RM + r, static_cast<int>(word));
-                    } else {
-#pragma unroll
-                        for (int b = 0; b < 4; b++)
-                            if (4 * c + b < kScales)
-                                st_na(reinterpret_cast<int*>(p.recv_scales) + (static_cast<i64>(j[u]) * kScales + 4 * c + b) * RM + r,
-                                      static_cast<int>(f[b]));
-                    }
-                }
-            }
-        }
+        move_messages(p, s_row[P], [&](int k, int& j, i64& row, const u8*& msg) {
+            const int i = unit_of(s_row, P, k), pair = u0 + i * G;
+            j = pair / R;
+            row = j * RM + s_begin[i] + (k - s_row[i]);
+            msg = recv + ((static_cast<u64>(j) * R + pair % R) * M + (k - s_row[i])) * p.msg_bytes;
+        });
         if (tid < P) {
-            const int pair = u0 + tid * G, j = pair / R, s = pair % R;
-            const i64 begin = s_begin[tid], n = s_n[tid];
-            reinterpret_cast<i64*>(p.layout_range)[j * R + s] = begin << 32 | n;
-            if (s == R - 1) {
-                reinterpret_cast<i32*>(p.count)[j] = static_cast<i32>(begin + n);
-                if (p.cum_stats != 0) atomicAdd(reinterpret_cast<i32*>(p.cum_stats) + j, static_cast<i32>(begin + n));
-            }
+            const int pair = u0 + tid * G;
+            record_pair(p, pair / R, pair % R, s_begin[tid], s_n[tid]);
         }
         PYEP_LL_STAMP(p, PYEP_LL_DR_COPIED);
     }

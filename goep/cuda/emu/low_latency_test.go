@@ -169,6 +169,9 @@ func TestEmulatedLowLatency(t *testing.T) {
 		// 11 of 12 experts a token: each token's message goes to every rank several times, and a
 		// batch's 88 selections outnumber the block's threads.
 		{R: 3, T: 9, H: 256, K: 11, E: 12, M: 9, fp8: true, round: true},
+		// more (expert, source) pairs than a block holds the counts of (4 a thread): the receive
+		// that deals pairs to blocks in batches instead of balancing rows.
+		{R: 2, T: 6, H: 128, K: 3, E: 264, M: 8, fp8: true},
 	} {
 		t.Run(c.String(), func(t *testing.T) { runLL(t, c) })
 	}
