@@ -253,36 +253,6 @@ PYEP_DEVICE void warp0_prefix(const i32* n, i32* first, int P, int per) {
     }
 }
 
-// The exclusive prefix sum of one value a thread, in thread order, and the block's total. Every
-// thread of the block calls it (two barriers and one after, so that s_warp may be used again).
-PYEP_DEVICE int block_exclusive_sum(int v, i32* s_warp, int& total) {
-    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32;
-    int x = v;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, d);
-        if (lane >= d) x += y;
-    }
-    if (lane == 31) s_warp[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        const int w = lane < kWarps ? s_warp[lane] : 0;
-        int y = w;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int z = __shfl_up_sync(0xffffffffu, y, d);
-            if (lane >= d) y += z;
-        }
-        if (lane < kWarps) s_warp[lane] = y - w;
-        if (lane == kWarps - 1) s_warp[kWarps] = y;
-    }
-    __syncthreads();
-    total = s_warp[kWarps];
-    const int before = s_warp[warp] + x - v;
-    __syncthreads();
-    return before;
-}
-
 #if defined(PYEP_LL_DISPATCH)
 
 constexpr bool kFP8 = PYEP_LL_FP8 != 0;
@@ -301,9 +271,9 @@ PYEP_DEVICE void put_piece(u64 slot, int off, V v) {
 
 // One warp casts its items it0, it0 + stride, ... (kCastBatch of them, those < total) once each
 // and writes each into every slot of its token: locate(it, tok, ch, slots) says that item it is
-// chunk ch of token tok, whose message goes to slots[0..kSlots) (0: none). Lane l moves channels
+// chunk ch of token tok, whose message goes to slots[0..kTopk) (0: none). Lane l moves channels
 // ch * 256 + 8 l; with FP8, 16 lanes share a scale block.
-template <int kSlots, typename Locate>
+template <typename Locate>
 PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int stride, int total, Locate locate) {
     const int lane = lane_id();
     const u16* x = reinterpret_cast<const u16*>(p.x);
@@ -325,7 +295,7 @@ PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int stride, int total, L
         const int c = ch[b] * kChunk + lane * 8;
         const bool on = c < kHidden;
         if (!kFP8) {
-            for (int k = 0; k < kSlots; k++) {
+            for (int k = 0; k < kTopk; k++) {
                 const u64 slot = slots[b][k];
                 if (slot == 0) continue;
                 if (ch[b] == 0 && lane == 0) put_piece(slot, 0, static_cast<int>(tok[b]));
@@ -352,7 +322,7 @@ PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int stride, int total, L
 #pragma unroll
         for (int k = 0; k < 8; k++) f[k] = mul_rn(f[k], scale);
         const int2 packed = pack_e4m3(f);
-        for (int k = 0; k < kSlots; k++) {
+        for (int k = 0; k < kTopk; k++) {
             const u64 slot = slots[b][k];
             if (slot == 0) continue;
             if (ch[b] == 0 && lane == 0) put_piece(slot, 0, static_cast<int>(tok[b]));
@@ -423,111 +393,6 @@ PYEP_DEVICE void count_marked(const u32* marks, int W, const i32* g, const i32* 
     }
 }
 
-// Tokens that selected expert g (from its marks).
-PYEP_DEVICE int marked_total(const u32* marks, int W, int g) {
-    int n = 0;
-    for (int w = 0; w < W; w++) n += __popc(marks[g * W + w]);
-    return n;
-}
-
-// Send, dealt: what a block writes is an equal share of the selections, not the selections of the
-// tokens it was dealt (one a block at 128 tokens, whose peers' share varies with the routing and
-// sets the slowest block's time). Every thread takes a token (rounds of kThreads), finds its
-// selections (each expert once) and numbers them in token order among all of the call's, apart
-// for those to a peer (NVLink: the bytes that bound the send) and those to this rank: peer
-// selection i goes to block i % G, this rank's selection i to block G - 1 - i % G, so that a
-// block's two shares differ by at most one from every other block's. A block then settles its
-// selections (slots from the marks, acknowledgements), casts each once a selection, and counts
-// and flags as the token send does. One node only (remote selections need the token send's
-// staging) and at most kDealt selections of a kind a block.
-constexpr int kDealt = 64;
-PYEP_DEVICE void dispatch_send_dealt(const LLParams& p, u32 seq, const u32* marks, int W) {
-    PYEP_SHARED(i32, s_dg, 2 * kDealt);  // entry m's expert (-1: none): peer shares [0, kDealt), own [kDealt, 2 kDealt)
-    PYEP_SHARED(i32, s_dt, 2 * kDealt);  // entry m's token
-    PYEP_SHARED(i32, s_dbefore, 2 * kDealt);
-    PYEP_SHARED(i32, s_dtotal, 2 * kDealt);
-    PYEP_SHARED(u64, s_dslot, 2 * kDealt);  // entry m's slot (0: not written)
-    PYEP_SHARED(i32, s_dwarp, kWarps + 1);
-    const int warp = static_cast<int>(threadIdx.x) / 32, tid = static_cast<int>(threadIdx.x), R = p.num_ranks,
-              E = p.num_experts, L = E / R, T = p.num_tokens, G = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
-    const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
-    i32* sent = reinterpret_cast<i32*>(p.expert_sent);
-    auto flag = [&](int g) { return reinterpret_cast<u64*>(region(p, g / L) + p.off_dflags) + (g % L) * R + p.rank; };
-    for (int m = tid; m < 2 * kDealt; m += kThreads) s_dg[m] = -1, s_dt[m] = 0, s_dbefore[m] = 0, s_dtotal[m] = 0;
-    __syncthreads();
-    int peers = 0, mine = 0;  // the call's selections of each kind so far
-    for (int t0 = 0; t0 < T; t0 += kThreads) {  // block-uniform
-        const int t = t0 + tid;
-        i64 e[kTopk];
-        bool take[kTopk];
-        int np = 0, nm = 0;
-#pragma unroll
-        for (int k = 0; k < kTopk; k++) e[k] = t < T ? ld_nc(idx + static_cast<i64>(t) * kTopk + k) : -1;
-#pragma unroll
-        for (int k = 0; k < kTopk; k++) {
-            bool first = e[k] >= 0 && e[k] < E;
-#pragma unroll
-            for (int k2 = 0; k2 < k; k2++) first = first && e[k2] != e[k];
-            take[k] = first;
-            if (first) (e[k] / L == p.rank ? nm : np)++;
-        }
-        int tp, tm;
-        int ip = peers + block_exclusive_sum(np, s_dwarp, tp), im = mine + block_exclusive_sum(nm, s_dwarp, tm);
-#pragma unroll
-        for (int k = 0; k < kTopk; k++) {
-            if (!take[k]) continue;
-            const bool own = e[k] / L == p.rank;
-            const int i = own ? im++ : ip++;
-            if ((own ? G - 1 - i % G : i % G) != b) continue;
-            const int m = (own ? kDealt : 0) + i / G;
-            s_dg[m] = static_cast<i32>(e[k]), s_dt[m] = t;
-        }
-        peers += tp, mine += tm;
-    }
-    const int np = peers > b ? (peers - b + G - 1) / G : 0, nm = mine > G - 1 - b ? (mine - (G - 1 - b) + G - 1) / G : 0;
-    const int n = np + nm;
-    auto entry = [&](int i) { return i < np ? i : kDealt + i - np; };
-    __syncthreads();
-    PYEP_LL_STAMP(p, PYEP_LL_DS_SETTLED);
-    count_marked(marks, W, s_dg, s_dt, 2 * kDealt, s_dbefore, s_dtotal);
-    for (int g = b + tid * G; g < E; g += kThreads * G)  // experts no token selected: flag count 0
-        if (marked_total(marks, W, g) == 0 && may_send(p, g / L, seq)) signal_peer(p, g / L, flag(g), static_cast<u64>(seq) << 32);
-    __syncthreads();
-    PYEP_LL_STAMP(p, PYEP_LL_DS_COUNTED);
-    for (int i = tid; i < n; i += kThreads) {
-        const int m = entry(i), g = s_dg[m];
-        s_dslot[m] = may_send(p, g / L, seq)
-                        ? reinterpret_cast<u64>(region(p, g / L) + p.off_recv +
-                                                ((static_cast<u64>(g % L) * R + p.rank) * p.max_tokens + s_dbefore[m]) * p.msg_bytes)
-                        : 0;
-    }
-    __syncthreads();
-    PYEP_LL_STAMP(p, PYEP_LL_DS_SLOTS);
-    const int total = n * kChunks;  // item it: chunk it % kChunks of entry it / kChunks
-    for (int it0 = warp; it0 < total; it0 += kWarps * kCastBatch)
-        put_chunks<1>(p, it0, kWarps, total, [&](int it, i32& tok, int& ch, const u64*& slots) {
-            const int m = entry(it / kChunks);
-            ch = it % kChunks;
-            tok = s_dt[m];
-            slots = s_dslot + m;
-        });
-    PYEP_LL_STAMP(p, PYEP_LL_DS_CAST);
-    __syncthreads();  // the block's messages are written
-    PYEP_LL_STAMP(p, PYEP_LL_DS_WRITTEN);
-    PYEP_LL_STAMP(p, PYEP_LL_DS_FENCED);  // in case thread 0 has no selection to count
-    for (int i = tid; i < n; i += kThreads) {
-        const int m = entry(i), g = s_dg[m];
-        fence_acq_rel_sys();  // the block's messages (ordered before this by the barrier) before the count
-        if (i == tid) PYEP_LL_STAMP(p, PYEP_LL_DS_FENCED);
-        if (atomicAdd(sent + g, 1) + 1 != s_dtotal[m]) continue;
-        // The last of g's selections: every block's messages for g are ordered before this.
-        fence_acq_rel_sys();
-        st_volatile(sent + g, 0);  // for the next call (a later kernel)
-        if (!masked(p, g / L)) signal_peer_fenced(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_dtotal[m]));
-    }
-    PYEP_LL_STAMP(p, PYEP_LL_DS_FLAGGED);
-}
-
 // Send: a unit is a token. For a batch of its tokens, the block settles every selection (expert g
 // of token t, once however often t selected g): its slot at g's rank is the number of tokens
 // before t that selected g (so that receivers get g's rows in token order, as the reference
@@ -560,36 +425,22 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     PYEP_SHARED(u32, s_marks, kMarkWords);
     const int W = (T + 31) / 32;
     const bool marked = E * W <= kMarkWords;  // block-uniform
-    if (!kRemote && marked && T * kTopk <= kDealt * G) {
-        mark_selections(p, s_marks, W);
-        dispatch_send_dealt(p, seq, s_marks, W);
-        return;
-    }
     if (marked && (b < T || owned > 0)) mark_selections(p, s_marks, W);
     for (int u0 = b, asked = 0; u0 < T || asked < owned; u0 += kBatch * G) {
         const int P = u0 < T ? batch_units(u0, T) : 0, S = P * kTopk;
         const int own = owned - asked < kOwn ? owned - asked : kOwn;
         __syncthreads();  // the previous batch's readers are done with the shared arrays
-        // A thread a token: its selections' loads all in flight, repeats found in registers.
-        for (int i = tid; i < P; i += kThreads) {
-            const int t = u0 + i * G;
-            i64 e[kTopk];
-#pragma unroll
-            for (int k = 0; k < kTopk; k++) e[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
-#pragma unroll
-            for (int k = 0; k < kTopk; k++) {
-                bool first = e[k] >= 0 && e[k] < E;
-#pragma unroll
-                for (int k2 = 0; k2 < k; k2++) first = first && e[k2] != e[k];
-                const int s = i * kTopk + k;
-                s_g[s] = first ? static_cast<i32>(e[k]) : -1;
-                s_t[s] = t, s_before[s] = 0, s_total[s] = 0;
-            }
+        for (int s = tid; s < S; s += kThreads) {
+            const int t = u0 + (s / kTopk) * G, k = s % kTopk;
+            const i64* e = idx + static_cast<i64>(t) * kTopk;
+            const i64 g = ld_nc(e + k);
+            bool first = g >= 0 && g < E;
+            for (int k2 = 0; k2 < k; k2++) first = first && ld_nc(e + k2) != g;
+            s_g[s] = first ? static_cast<i32>(g) : -1;
+            s_t[s] = t, s_before[s] = 0, s_total[s] = 0;
+            s_slot[s] = first && may_send(p, static_cast<int>(g) / L, seq) ? 1 : 0;
         }
         for (int q = tid; q < own; q += kThreads) s_g[S + q] = b + (asked + q) * G, s_t[S + q] = 0, s_before[S + q] = 0, s_total[S + q] = 0;
-        __syncthreads();
-        // A thread a selection: whether its rank may be written (acknowledgements awaited side by side).
-        for (int s = tid; s < S; s += kThreads) s_slot[s] = s_g[s] >= 0 && may_send(p, s_g[s] / L, seq) ? 1 : 0;
         __syncthreads();
         PYEP_LL_STAMP(p, PYEP_LL_DS_SETTLED);
         if (marked)
@@ -633,7 +484,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         // Item it is chunk it % kChunks of the batch's token it / kChunks; warp w takes items w, w + kWarps, ...
         const int total = P * kChunks;
         for (int it0 = warp; it0 < total; it0 += kWarps * kCastBatch)
-            put_chunks<kTopk>(p, it0, kWarps, total, [&](int it, i32& tok, int& ch, const u64*& slots) {
+            put_chunks(p, it0, kWarps, total, [&](int it, i32& tok, int& ch, const u64*& slots) {
                 const int i = it / kChunks;
                 ch = it % kChunks;
                 tok = u0 + i * G;
@@ -748,6 +599,36 @@ PYEP_DEVICE int source_count(const LLParams& p, int j, int r, u32 seq, bool char
         atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + r, static_cast<unsigned long long>(spent));
     const int n = ok ? static_cast<int>(static_cast<u32>(v)) : 0;
     return n < p.max_tokens ? n : p.max_tokens;
+}
+
+// The exclusive prefix sum of one value a thread, in thread order, and the block's total. Every
+// thread of the block calls it (two barriers and one after, so that s_warp may be used again).
+PYEP_DEVICE int block_exclusive_sum(int v, i32* s_warp, int& total) {
+    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32;
+    int x = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) s_warp[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = lane < kWarps ? s_warp[lane] : 0;
+        int y = w;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int z = __shfl_up_sync(0xffffffffu, y, d);
+            if (lane >= d) y += z;
+        }
+        if (lane < kWarps) s_warp[lane] = y - w;
+        if (lane == kWarps - 1) s_warp[kWarps] = y;
+    }
+    __syncthreads();
+    total = s_warp[kWarps];
+    const int before = s_warp[warp] + x - v;
+    __syncthreads();
+    return before;
 }
 
 // Receive, rows balanced over the blocks (when a block can hold every pair's count): every block
