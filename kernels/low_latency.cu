@@ -430,17 +430,26 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         const int P = u0 < T ? batch_units(u0, T) : 0, S = P * kTopk;
         const int own = owned - asked < kOwn ? owned - asked : kOwn;
         __syncthreads();  // the previous batch's readers are done with the shared arrays
-        for (int s = tid; s < S; s += kThreads) {
-            const int t = u0 + (s / kTopk) * G, k = s % kTopk;
-            const i64* e = idx + static_cast<i64>(t) * kTopk;
-            const i64 g = ld_nc(e + k);
-            bool first = g >= 0 && g < E;
-            for (int k2 = 0; k2 < k; k2++) first = first && ld_nc(e + k2) != g;
-            s_g[s] = first ? static_cast<i32>(g) : -1;
-            s_t[s] = t, s_before[s] = 0, s_total[s] = 0;
-            s_slot[s] = first && may_send(p, static_cast<int>(g) / L, seq) ? 1 : 0;
+        // A thread a token: its selections' loads all in flight, repeats found in registers.
+        for (int i = tid; i < P; i += kThreads) {
+            const int t = u0 + i * G;
+            i64 e[kTopk];
+#pragma unroll
+            for (int k = 0; k < kTopk; k++) e[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
+#pragma unroll
+            for (int k = 0; k < kTopk; k++) {
+                bool first = e[k] >= 0 && e[k] < E;
+#pragma unroll
+                for (int k2 = 0; k2 < k; k2++) first = first && e[k2] != e[k];
+                const int s = i * kTopk + k;
+                s_g[s] = first ? static_cast<i32>(e[k]) : -1;
+                s_t[s] = t, s_before[s] = 0, s_total[s] = 0;
+            }
         }
         for (int q = tid; q < own; q += kThreads) s_g[S + q] = b + (asked + q) * G, s_t[S + q] = 0, s_before[S + q] = 0, s_total[S + q] = 0;
+        __syncthreads();
+        // A thread a selection: whether its rank may be written (acknowledgements awaited side by side).
+        for (int s = tid; s < S; s += kThreads) s_slot[s] = s_g[s] >= 0 && may_send(p, s_g[s] / L, seq) ? 1 : 0;
         __syncthreads();
         PYEP_LL_STAMP(p, PYEP_LL_DS_SETTLED);
         if (marked)
