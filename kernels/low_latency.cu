@@ -170,21 +170,26 @@ PYEP_DEVICE bool thread_wait(const LLParams& p, int peer, int what, Ready ready,
 // The end of a receive: once every block has finished, the last acknowledges the call to the
 // unmasked peers and counts it received. A block's reads of its messages have returned (their
 // values are stored) when it counts itself, so a count at GPU scope (acquire and release: the last
-// block sees every block's count) and one system-scope fence in the last block, before the
-// acknowledgements, order every read of the grid before a peer's next write.
+// block sees every block's count) and a system-scope fence in the last block, before the
+// acknowledgements, order every read of the grid before a peer's next write. The last block's
+// warp 0 acknowledges the peers a lane each (their masks read side by side, not one after another).
 PYEP_DEVICE void finish_recv(const LLParams& p, u32 seq) {
     __syncthreads();
-    if (threadIdx.x == 0) {
-        i32* counter = reinterpret_cast<i32*>(p.counter);
-        if (atomic_add_acq_rel_gpu(counter, 1) == static_cast<int>(gridDim.x) - 1) {
-            fence_acq_rel_sys();
-            for (int r = 0; r < p.num_ranks; r++)
-                if (r != p.rank && !masked(p, r))
-                    signal_peer_fenced(p, r, reinterpret_cast<u64*>(region(p, r) + p.off_ack) + p.half * p.num_ranks + p.rank,
-                                       static_cast<u64>(seq));
-            st_volatile(counter, 0);
-            st_relaxed_sys(reinterpret_cast<u64*>(p.calls) + p.half, static_cast<u64>(seq));
-        }
+    if (threadIdx.x >= 32) return;
+    const int lane = lane_id();
+    i32* counter = reinterpret_cast<i32*>(p.counter);
+    int last = 0;
+    if (lane == 0) last = atomic_add_acq_rel_gpu(counter, 1) == static_cast<int>(gridDim.x) - 1 ? 1 : 0;
+    __syncwarp();  // the other lanes' fences follow lane 0's acquire
+    if (__shfl_sync(0xffffffffu, last, 0) == 0) return;
+    fence_acq_rel_sys();
+    for (int r = lane; r < p.num_ranks; r += 32)
+        if (r != p.rank && !masked(p, r))
+            signal_peer_fenced(p, r, reinterpret_cast<u64*>(region(p, r) + p.off_ack) + p.half * p.num_ranks + p.rank,
+                               static_cast<u64>(seq));
+    if (lane == 0) {
+        st_volatile(counter, 0);
+        st_relaxed_sys(reinterpret_cast<u64*>(p.calls) + p.half, static_cast<u64>(seq));
     }
 }
 
