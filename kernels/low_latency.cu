@@ -94,6 +94,9 @@ PYEP_DEVICE bool is_remote(const LLParams& p, int r) {
 
 // Stores v at word (in peer r's region, from region(p, r)) with release semantics: after every
 // row this rank has written or put to r before it (the caller's barriers and fences order them).
+// kFenced: right after the caller's fence_acq_rel_sys, where a relaxed system-scope store is a
+// release already (st.release would fence again).
+template <bool kFenced = false>
 PYEP_DEVICE void signal_peer(const LLParams& p, int r, u64* word, u64 v) {
 #ifdef PYEP_LL_REMOTE
     if (is_remote(p, r)) {
@@ -101,19 +104,10 @@ PYEP_DEVICE void signal_peer(const LLParams& p, int r, u64* word, u64 v) {
         return;
     }
 #endif
-    st_release_sys(word, v);
-}
-
-// signal_peer right after the caller's fence_acq_rel_sys: a relaxed system-scope store after that
-// fence is a release already (st.release would fence again).
-PYEP_DEVICE void signal_peer_fenced(const LLParams& p, int r, u64* word, u64 v) {
-#ifdef PYEP_LL_REMOTE
-    if (is_remote(p, r)) {
-        remote_signal(word, v, r);
-        return;
-    }
-#endif
-    st_relaxed_sys(word, v);
+    if (kFenced)
+        st_relaxed_sys(word, v);
+    else
+        st_release_sys(word, v);
 }
 
 // One warp puts n bytes from src (local) to dst in remote peer r's region.
@@ -185,8 +179,8 @@ PYEP_DEVICE void finish_recv(const LLParams& p, u32 seq) {
     fence_acq_rel_sys();
     for (int r = lane; r < p.num_ranks; r += 32)
         if (r != p.rank && !masked(p, r))
-            signal_peer_fenced(p, r, reinterpret_cast<u64*>(region(p, r) + p.off_ack) + p.half * p.num_ranks + p.rank,
-                               static_cast<u64>(seq));
+            signal_peer<true>(p, r, reinterpret_cast<u64*>(region(p, r) + p.off_ack) + p.half * p.num_ranks + p.rank,
+                              static_cast<u64>(seq));
     if (lane == 0) {
         st_volatile(counter, 0);
         st_relaxed_sys(reinterpret_cast<u64*>(p.calls) + p.half, static_cast<u64>(seq));
@@ -525,7 +519,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
             fence_acq_rel_sys();
             st_volatile(sent + g, 0);  // for the next call (a later kernel)
             if (!masked(p, g / L))
-                signal_peer_fenced(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[s]));
+                signal_peer<true>(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[s]));
         }
         PYEP_LL_STAMP(p, PYEP_LL_DS_FLAGGED);
     }
@@ -826,8 +820,8 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
         if (tid < P && s_ok[tid] != 0) {
             const int pair = u0 + tid * G;
             fence_acq_rel_sys();  // the block's rows (ordered before this by the barrier) reach d first
-            signal_peer_fenced(p, pair % R, reinterpret_cast<u64*>(region(p, pair % R) + p.off_cflags) + p.rank * L + pair / R,
-                               static_cast<u64>(seq) << 32 | 1u);
+            signal_peer<true>(p, pair % R, reinterpret_cast<u64*>(region(p, pair % R) + p.off_cflags) + p.rank * L + pair / R,
+                              static_cast<u64>(seq) << 32 | 1u);
         }
         PYEP_LL_STAMP(p, PYEP_LL_CS_FLAGGED);
     }
