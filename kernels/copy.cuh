@@ -29,23 +29,24 @@ PYEP_DEVICE void warp_copy(V* dst, const V* src, int n, int lane) {
 }
 
 // Copies rows rows of N vectors each with the whole block, U vectors in flight per thread: row r
-// from src(r) to dst(r) (functions of the row that return its first vector). The block shares
-// every row, so a unit of a few rows costs one round trip, not one per row.
+// from src(r) to dst(r) (functions of the row that return its first vector; a row whose dst is
+// null is skipped). The block shares every row, so a unit of a few rows costs one round trip, not
+// one per row.
 template <typename V, int U, bool kRingSource, int N, typename Src, typename Dst>
 PYEP_DEVICE void block_copy_rows(int rows, Src src, Dst dst) {
     const int total = rows * N, nt = static_cast<int>(blockDim.x);
     for (int i = static_cast<int>(threadIdx.x); i < total; i += nt * U) {
         V v[U];
+        V* to[U];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int k = i + nt * u;
-            if (k < total) v[u] = kRingSource ? ld_ring(src(k / N) + k % N) : ld_nc(src(k / N) + k % N);
+            to[u] = k < total ? dst(k / N) : nullptr;
+            if (to[u] != nullptr) v[u] = kRingSource ? ld_ring(src(k / N) + k % N) : ld_nc(src(k / N) + k % N);
         }
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int k = i + nt * u;
-            if (k < total) st_na(dst(k / N) + k % N, v[u]);
-        }
+        for (int u = 0; u < U; u++)
+            if (to[u] != nullptr) st_na(to[u] + (i + nt * u) % N, v[u]);
     }
 }
 

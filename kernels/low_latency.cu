@@ -15,9 +15,12 @@
 //   - A sender first waits until the receiver acknowledged the previous call on h
 //     (ack[h][dst] >= seq - 1 in the sender's own header), then writes its rows, then the flag
 //     word seq << 32 | count with release semantics (system scope: peers read it over NVLink).
-//   - A receiver waits for flag == seq of every unmasked source, reads the rows, and when the
-//     whole grid has read (the last block to finish counts it), writes ack[h][me] = seq into
-//     every unmasked peer's header and sets calls[h] = seq. Nothing is ever zeroed between calls.
+//   - A receiver waits for flag == seq of every unmasked source and reads the rows. The last block
+//     to start the receive (every block has read calls[h] by then) sets calls[h] = seq and
+//     pending[h] = seq; the next kernel on this rank (any call's, the kernel boundary orders every
+//     read of the receive before it) writes ack[h][me] = seq into every unmasked peer's header.
+//     A call on h is never the next kernel after the receive of the one before on h: the other
+//     half's call comes between. Nothing is ever zeroed between calls.
 // phases: bit 0 the send half, bit 1 the receive half (return_recv_hook launches them apart).
 //
 // pyep:defines PYEP_LL_DISPATCH PYEP_LL_HIDDEN=7168 PYEP_LL_TOPK=8 PYEP_LL_FP8=1 PYEP_LL_ROUND=0 PYEP_LL_UE8M0=0
@@ -161,29 +164,37 @@ PYEP_DEVICE bool thread_wait(const LLParams& p, int peer, int what, Ready ready,
     return ok;
 }
 
-// The end of a receive: once every block has finished, the last acknowledges the call to the
-// unmasked peers and counts it received. A block's reads of its messages have returned (their
-// values are stored) when it counts itself, so a count at GPU scope (acquire and release: the last
-// block sees every block's count) and a system-scope fence in the last block, before the
-// acknowledgements, order every read of the grid before a peer's next write. The last block's
-// warp 0 acknowledges the peers a lane each (their masks read side by side, not one after another).
-PYEP_DEVICE void finish_recv(const LLParams& p, u32 seq) {
-    __syncthreads();
-    if (threadIdx.x >= 32) return;
-    const int lane = lane_id();
+// The start of a receive: every block counts itself, and the last (every block has read calls[h]
+// for its seq before counting) records the call received: calls[h] = seq for the next call on the
+// half, and pending[h] = seq for the acknowledgements that the next kernel sends
+// (acknowledge_pending). So the receive ends when its last row is read: no grid count, system-scope
+// fence and peer stores at its end (2-3 µs of the last block's end, on H200s).
+PYEP_DEVICE void count_recv(const LLParams& p, u32 seq) {
+    __syncthreads();  // every thread of the block has read its seq
+    if (threadIdx.x != 0) return;
     i32* counter = reinterpret_cast<i32*>(p.counter);
-    int last = 0;
-    if (lane == 0) last = atomic_add_acq_rel_gpu(counter, 1) == static_cast<int>(gridDim.x) - 1 ? 1 : 0;
-    __syncwarp();  // the other lanes' fences follow lane 0's acquire
-    if (__shfl_sync(0xffffffffu, last, 0) == 0) return;
-    fence_acq_rel_sys();
-    for (int r = lane; r < p.num_ranks; r += 32)
-        if (r != p.rank && !masked(p, r))
-            signal_peer<true>(p, r, reinterpret_cast<u64*>(region(p, r) + p.off_ack) + p.half * p.num_ranks + p.rank,
-                              static_cast<u64>(seq));
-    if (lane == 0) {
-        st_volatile(counter, 0);
-        st_relaxed_sys(reinterpret_cast<u64*>(p.calls) + p.half, static_cast<u64>(seq));
+    if (atomic_add_acq_rel_gpu(counter, 1) != static_cast<int>(gridDim.x) - 1) return;
+    st_volatile(counter, 0);
+    st_volatile(reinterpret_cast<u32*>(p.pending) + p.half, seq);
+    st_relaxed_sys(reinterpret_cast<u64*>(p.calls) + p.half, static_cast<u64>(seq));
+}
+
+// The start of every kernel: block 0's warp 0 acknowledges the calls received before this kernel
+// (pending, by the kernel before it) to the unmasked peers, a lane a peer, and clears them. The
+// kernel boundary ordered every read of those receives before this; block 0 does it before its own
+// receive counts, so never for this kernel's call.
+PYEP_DEVICE void acknowledge_pending(const LLParams& p) {
+    if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+    const int lane = lane_id();
+    u32* pending = reinterpret_cast<u32*>(p.pending);
+    for (int h = 0; h < 2; h++) {
+        const u32 seq = ld_volatile(pending + h);
+        if (seq == 0) continue;
+        for (int r = lane; r < p.num_ranks; r += 32)
+            if (r != p.rank && !masked(p, r))
+                signal_peer(p, r, reinterpret_cast<u64*>(region(p, r) + p.off_ack) + h * p.num_ranks + p.rank, static_cast<u64>(seq));
+        __syncwarp();
+        if (lane == 0) st_volatile(pending + h, 0u);
     }
 }
 
@@ -192,10 +203,11 @@ PYEP_DEVICE void finish_recv(const LLParams& p, u32 seq) {
 template <int kDone, typename Send, typename Recv>
 PYEP_DEVICE void run_phases(const LLParams& p, Send send, Recv recv) {
     const u32 seq = call_seq(p);
+    acknowledge_pending(p);
     if (p.phases & kPhaseSend) send(p, seq);
     if (p.phases & kPhaseRecv) {
+        count_recv(p, seq);
         recv(p, seq);
-        finish_recv(p, seq);
         PYEP_LL_STAMP(p, kDone);
     }
 }
@@ -250,6 +262,52 @@ PYEP_DEVICE void warp0_prefix(const i32* n, i32* first, int P, int per) {
         }
         first[P] = f;
     }
+}
+
+// The exclusive prefix sum of one value a thread, in thread order, and the block's total. Every
+// thread of the block calls it (two barriers and one after, so that s_warp may be used again).
+PYEP_DEVICE int block_exclusive_sum(int v, i32* s_warp, int& total) {
+    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32;
+    int x = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) s_warp[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = lane < kWarps ? s_warp[lane] : 0;
+        int y = w;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int z = __shfl_up_sync(0xffffffffu, y, d);
+            if (lane >= d) y += z;
+        }
+        if (lane < kWarps) s_warp[lane] = y - w;
+        if (lane == kWarps - 1) s_warp[kWarps] = y;
+    }
+    __syncthreads();
+    total = s_warp[kWarps];
+    const int before = s_warp[warp] + x - v;
+    __syncthreads();
+    return before;
+}
+
+// The balanced phases (the dispatch receive, the combine send) hold every pair's prefix sum in a
+// block (when the pairs fit) and move an equal share of rows, kRowsRound located at once.
+constexpr int kPairsShared = 4 * kThreads;  // pairs a block holds the prefix sums of
+constexpr int kRowsRound = 64;               // rows a block locates at once
+
+// The pair of row k: the last of the NP pairs whose first row (first[c], nondecreasing) is <= k.
+PYEP_DEVICE int pair_of_row(const i32* first, int NP, int k) {
+    int lo = 0, hi = NP - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= k) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
 }
 
 #if defined(PYEP_LL_DISPATCH)
@@ -609,44 +667,12 @@ PYEP_DEVICE int source_count(const LLParams& p, int j, int r, u32 seq, bool char
     return n < p.max_tokens ? n : p.max_tokens;
 }
 
-// The exclusive prefix sum of one value a thread, in thread order, and the block's total. Every
-// thread of the block calls it (two barriers and one after, so that s_warp may be used again).
-PYEP_DEVICE int block_exclusive_sum(int v, i32* s_warp, int& total) {
-    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32;
-    int x = v;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, d);
-        if (lane >= d) x += y;
-    }
-    if (lane == 31) s_warp[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        const int w = lane < kWarps ? s_warp[lane] : 0;
-        int y = w;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int z = __shfl_up_sync(0xffffffffu, y, d);
-            if (lane >= d) y += z;
-        }
-        if (lane < kWarps) s_warp[lane] = y - w;
-        if (lane == kWarps - 1) s_warp[kWarps] = y;
-    }
-    __syncthreads();
-    total = s_warp[kWarps];
-    const int before = s_warp[warp] + x - v;
-    __syncthreads();
-    return before;
-}
-
 // Receive, rows balanced over the blocks (when a block can hold every pair's count): every block
 // reads the counts of all pairs (local expert j, source s), j-major (a thread a pair; pair c's
 // owner, block c % G, charges the waits and records the pair), takes their prefix sums, and moves
 // an equal share of the rows: its rows [N b / G, N (b + 1) / G) of the N received, kRowsRound a
 // round, each row's pair found by a binary search over the prefix sums. A block's time is then
 // its share, not the pairs it was dealt (whose rows vary with the routing).
-constexpr int kPairsShared = 4 * kThreads;  // pairs a block holds the prefix sums of
-constexpr int kRowsRound = 64;               // rows a block locates at once
 PYEP_DEVICE void dispatch_recv_balanced(const LLParams& p, u32 seq) {
     PYEP_SHARED(i32, s_first, kPairsShared + 1);  // pair c's first row among all received; [NP] = N
     PYEP_SHARED(i32, s_warp, kWarps + 1);
@@ -676,15 +702,7 @@ PYEP_DEVICE void dispatch_recv_balanced(const LLParams& p, u32 seq) {
     const int r0 = static_cast<int>(static_cast<i64>(N) * b / G), r1 = static_cast<int>(static_cast<i64>(N) * (b + 1) / G);
     for (int k0 = r0; k0 < r1; k0 += kRowsRound) {
         const int rows = r1 - k0 < kRowsRound ? r1 - k0 : kRowsRound;
-        if (tid < rows) {
-            int lo = 0, hi = NP - 1;  // the last pair whose first row is <= k0 + tid
-            while (lo < hi) {
-                const int mid = (lo + hi + 1) / 2;
-                if (s_first[mid] <= k0 + tid) lo = mid;
-                else hi = mid - 1;
-            }
-            s_pair[tid] = lo;
-        }
+        if (tid < rows) s_pair[tid] = pair_of_row(s_first, NP, k0 + tid);
         __syncthreads();
         move_messages(p, rows, [&](int k, int& j, i64& row, const u8*& msg) {
             const int c = s_pair[k], i = k0 + k - s_first[c];
@@ -758,11 +776,86 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch(const LLParams p) { run_
 
 #if defined(PYEP_LL_COMBINE)
 
-// Send: a unit is a pair (local expert j, destination d): j's rows from d go back, each into the slot
-// (this rank's global expert, token) of d's recv area, then the pair's flag. A batch's pairs are
+// Send: a pair (local expert j, destination d) sends j's rows from d back, each into the slot
+// (this rank's global expert, token) of d's recv area, then its flag seq << 32 | 1 in d's header.
+// The rows come from x (or the send area with zero copy); layout_range (this rank's dispatch
+// receive wrote it) gives pair c = j * R + d's count and first row among j's.
+//
+// Balanced (no remote peer, every pair's count in a block): every block takes the prefix sums of
+// all pairs' counts and copies an equal share of the rows, its rows [N b / G, N (b + 1) / G) of
+// the N sent, kRowsRound located at once (a row whose d may not be written is skipped). Then it
+// adds its rows of each pair it touched to the pair's counter (p.expert_sent, the engine's combine
+// counters: an i32 a pair) after a fence, and the count that completes a pair stores its flag, as
+// the dispatch send does per expert. A pair with no row gets its flag from block c % G. So a
+// block's time is its share of the rows, not the rows of the pairs it was dealt, which vary with
+// the routing (a block that copied a heavy pair to a peer ended the send twice the median after).
+PYEP_DEVICE void combine_send_balanced(const LLParams& p, u32 seq) {
+    PYEP_SHARED(i32, s_cfirst, kPairsShared + 1);  // pair c's first row among all sent; [NP] = N
+    PYEP_SHARED(i32, s_cwarp, kWarps + 1);
+    PYEP_SHARED(i32, s_dok, kThreads);  // whether destination d may be written
+    PYEP_SHARED(u64, s_src, kRowsRound);  // the round's rows: where each is in x,
+    PYEP_SHARED(u64, s_dst, kRowsRound);  // and its slot (0: skipped)
+    const int R = p.num_ranks, L = p.num_experts / R, NP = L * R, M = p.max_tokens, G = static_cast<int>(gridDim.x);
+    const int tid = static_cast<int>(threadIdx.x), b = static_cast<int>(blockIdx.x);
+    const i64 RM = static_cast<i64>(R) * M;
+    const u16* rows = p.zero_copy ? reinterpret_cast<const u16*>(local(p) + p.off_send) : reinterpret_cast<const u16*>(p.x);
+    const i32* src_info = reinterpret_cast<const i32*>(p.src_info);
+    const i64* range = reinterpret_cast<const i64*>(p.layout_range);
+    i32* sent = reinterpret_cast<i32*>(p.expert_sent);
+    auto flag = [&](int c) { return reinterpret_cast<u64*>(region(p, c % R) + p.off_cflags) + p.rank * L + c / R; };
+    PYEP_LL_STAMP_START(p, PYEP_LL_CS_START, PYEP_LL_CS_FLAGGED);
+    for (int d = tid; d < R; d += kThreads) s_dok[d] = may_send(p, d, seq) ? 1 : 0;
+    int carry = 0;
+    for (int c0 = 0; c0 < NP; c0 += kThreads) {  // block-uniform
+        const int c = c0 + tid;
+        int total;
+        const int before = block_exclusive_sum(c < NP ? static_cast<int>(range[c] & 0xffffffff) : 0, s_cwarp, total);
+        if (c < NP) s_cfirst[c] = carry + before;
+        carry += total;
+    }
+    if (tid == 0) s_cfirst[NP] = carry;
+    __syncthreads();
+    PYEP_LL_STAMP(p, PYEP_LL_CS_ADMITTED);
+    for (int c = b + tid * G; c < NP; c += kThreads * G)
+        if (s_cfirst[c + 1] == s_cfirst[c] && s_dok[c % R] != 0) signal_peer(p, c % R, flag(c), static_cast<u64>(seq) << 32 | 1u);
+    const int N = carry;
+    const int r0 = static_cast<int>(static_cast<i64>(N) * b / G), r1 = static_cast<int>(static_cast<i64>(N) * (b + 1) / G);
+    for (int k0 = r0; k0 < r1; k0 += kRowsRound) {
+        const int n = r1 - k0 < kRowsRound ? r1 - k0 : kRowsRound;
+        if (tid < n) {
+            const int k = k0 + tid, c = pair_of_row(s_cfirst, NP, k), j = c / R, d = c % R;
+            const i64 row = j * RM + (range[c] >> 32) + (k - s_cfirst[c]);
+            s_src[tid] = reinterpret_cast<u64>(rows + row * kHidden);
+            s_dst[tid] = s_dok[d] == 0 ? 0
+                                       : reinterpret_cast<u64>(region(p, d) + p.off_recv + static_cast<u64>(p.rank * L + j) * M * (2 * kHidden) +
+                                                               static_cast<u64>(ld_nc(src_info + row)) * (2 * kHidden));
+        }
+        __syncthreads();
+        block_copy_rows<int4, kRowUnroll, false, kHidden / 8>(
+            n, [&](int k) { return reinterpret_cast<const int4*>(s_src[k]); }, [&](int k) { return reinterpret_cast<int4*>(s_dst[k]); });
+        __syncthreads();  // the round's rows are written (and its readers done with s_src, s_dst)
+    }
+    PYEP_LL_STAMP(p, PYEP_LL_CS_COPIED);
+    PYEP_LL_STAMP(p, PYEP_LL_CS_WRITTEN);
+    // The block's rows of each pair it touched, pairs c_lo, c_lo + 1, ... while they start before r1.
+    const int c_lo = r0 < r1 ? pair_of_row(s_cfirst, NP, r0) : NP;
+    for (int c = c_lo + tid; c < NP && s_cfirst[c] < r1; c += kThreads) {
+        const int lo = s_cfirst[c] > r0 ? s_cfirst[c] : r0, hi = s_cfirst[c + 1] < r1 ? s_cfirst[c + 1] : r1;
+        if (hi <= lo) continue;
+        fence_acq_rel_sys();  // the block's rows (ordered before this by the barrier) before the count
+        if (atomicAdd(sent + c, hi - lo) + (hi - lo) != s_cfirst[c + 1] - s_cfirst[c]) continue;
+        // The last rows of pair c: every block's rows of c are ordered before this.
+        fence_acq_rel_sys();
+        st_volatile(sent + c, 0);  // for the next call (a later kernel)
+        if (s_dok[c % R] != 0 && !masked(p, c % R)) signal_peer<true>(p, c % R, flag(c), static_cast<u64>(seq) << 32 | 1u);
+    }
+    PYEP_LL_STAMP(p, PYEP_LL_CS_FLAGGED);
+}
+
+// Batched (a remote peer, or more pairs than a block holds): a unit is a pair. A batch's pairs are
 // admitted by warp 0 (a lane each) and copied by the block as one list; the rows of remote pairs
 // are put instead, a row a warp, straight from x (or the send area) into the slots.
-PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
+PYEP_DEVICE void combine_send_batched(const LLParams& p, u32 seq) {
     PYEP_SHARED(i32, s_n, kBatch);     // pair i's rows (0 when it may not send)
     PYEP_SHARED(i32, s_row, kBatch + 1);
     PYEP_SHARED(i64, s_first, kBatch);  // pair i's first row of x
@@ -826,6 +919,13 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
         PYEP_LL_STAMP(p, PYEP_LL_CS_FLAGGED);
     }
     if (static_cast<int>(blockIdx.x) >= L * R) PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_CS_ADMITTED, PYEP_LL_CS_FLAGGED);  // no pair
+}
+
+PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
+    if (!kRemote && p.num_experts <= kPairsShared && p.num_ranks <= kThreads)
+        combine_send_balanced(p, seq);
+    else
+        combine_send_batched(p, seq);
 }
 
 // Receive: every block waits for every unmasked expert's flag (a thread each); the threads that

@@ -134,8 +134,9 @@ struct pyep_ll_params {
     pyep_u64 err;          // pyep_ll_error, host-mapped
     pyep_u64 timeout_ns;   // bound of every wait
     pyep_u64 calls;        // u64 [2]: calls received per half (this rank's engine memory)
-    pyep_u64 counter;      // i32: blocks done with the receive (the last resets it; likewise)
-    pyep_u64 expert_sent;  // i32 [num_experts]: a dispatch send's selections written per expert (the last resets it)
+    pyep_u64 counter;      // i32: blocks that started the receive (the last resets it; likewise)
+    pyep_u64 expert_sent;  // i32 [num_experts]: the send's counters (the last count resets each): a dispatch's
+                           // selections written per expert, a combine's rows written per (local expert, destination)
     pyep_u64 off_ack;      // u64 [2][R]: ack[h][p], written by p
     pyep_u64 off_mask;     // i32 [R]: 1 where a rank is masked (local)
     pyep_u64 off_dflags;   // u64 [E] of half h: dispatch flags at [j * R + src]
@@ -148,6 +149,8 @@ struct pyep_ll_params {
     pyep_i32 rank, num_ranks, num_experts, max_tokens;
     pyep_i32 num_tokens, half, phases, zero_copy;
     pyep_u64 timeline;  // u64 [blocks][PYEP_LL_STAMPS], host-mapped: a PYEP_LL_TIMELINE build's stamps (else 0, unread)
+    pyep_u64 pending;   // u32 [2] (this rank's engine memory): per half, the seq of a call received here whose
+                        // acknowledgements the next kernel sends (0: none)
 };
 
 // The first failed wait of a low-latency call, in host-mapped memory.
@@ -176,7 +179,7 @@ struct pyep_ll_error {
     X(DR_START, "dispatch recv", "start")                                                        \
     X(DR_FLAGS, "dispatch recv", "flags")       /* the batch's flags arrived */                 \
     X(DR_COPIED, "dispatch recv", "copied")     /* thread 0's vectors and ranges stored */       \
-    X(DR_DONE, "dispatch recv", "done")         /* finish_recv: the barrier, the grid's count */ \
+    X(DR_DONE, "dispatch recv", "done")         /* the receive's end */                         \
     X(CS_START, "combine send", "start")                                                         \
     X(CS_ADMITTED, "combine send", "admitted")  /* acknowledgements awaited */                  \
     X(CS_COPIED, "combine send", "copied")      /* thread 0's rows copied */                    \
@@ -185,7 +188,7 @@ struct pyep_ll_error {
     X(CR_START, "combine recv", "start")                                                         \
     X(CR_FLAGS, "combine recv", "flags")        /* every expert's flag arrived */               \
     X(CR_SUMMED, "combine recv", "summed")      /* thread 0's warp summed its items */          \
-    X(CR_DONE, "combine recv", "done")          /* finish_recv */
+    X(CR_DONE, "combine recv", "done")          /* the receive's end */
 #define PYEP_LL_STAMP_ID(id, kernel, phase) PYEP_LL_##id,
 enum pyep_ll_stamp { PYEP_LL_STAMP_LIST(PYEP_LL_STAMP_ID) PYEP_LL_STAMPS };
 #undef PYEP_LL_STAMP_ID
@@ -231,7 +234,7 @@ PYEP_ABI_SIZE(struct pyep_combine_params, 304);
 PYEP_ABI_SIZE(struct pyep_layout_params, 72);
 PYEP_ABI_SIZE(struct pyep_layout_work, 16);
 PYEP_ABI_SIZE(struct pyep_op_error, 64);
-PYEP_ABI_SIZE(struct pyep_ll_params, 240);
+PYEP_ABI_SIZE(struct pyep_ll_params, 248);
 PYEP_ABI_SIZE(struct pyep_ll_error, 32);
 #undef PYEP_ABI_SIZE
 

@@ -35,12 +35,16 @@ import (
 const (
 	llPhaseSend = 1
 	llPhaseRecv = 2
-	// llLocalBytes: calls [2]u64, then the receive's block counter (i32), then from llSentOff the
-	// dispatch send's counters, an i32 per expert (llMaxExperts). Zero at the start and after clean;
-	// a kernel leaves them zero.
-	llSentOff    = 32
-	llMaxExperts = 1 << 14
-	llLocalBytes = llSentOff + 4*llMaxExperts
+	// llLocalBytes: calls [2]u64, then the receive's block counter (i32), from llPendingOff the
+	// calls received but not yet acknowledged ([2]u32, a half each), then from llSentOff the
+	// dispatch send's counters, an i32 per expert (llMaxExperts), then the combine send's, an i32
+	// per (local expert, destination) pair, as many. Zero at the start and after clean; a kernel
+	// leaves them zero. A kernel finds its own as p.expert_sent.
+	llPendingOff     = 24
+	llSentOff        = 32
+	llMaxExperts     = 1 << 14
+	llCombineSentOff = llSentOff + 4*llMaxExperts
+	llLocalBytes     = llCombineSentOff + 4*llMaxExperts
 )
 
 // Engine is one buffer's low-latency engine on a GPU.
@@ -311,6 +315,10 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 		wait_stats: u64(c.WaitStats), out: u64(c.Out),
 		rank: i32(e.rank), num_ranks: i32(e.n), num_experts: i32(c.Shape.NumExperts),
 		max_tokens: i32(c.Shape.MaxTokens), num_tokens: i32(c.NumTokens), half: i32(h), phases: llPhaseSend | llPhaseRecv}
+	p.pending = u64(e.localDev) + llPendingOff
+	if combine {
+		p.expert_sent = u64(e.localDev) + llCombineSentOff
+	}
 	if c.ZeroCopy {
 		p.zero_copy = 1
 	}
