@@ -79,6 +79,57 @@ def test_layout_outputs_written_again_only_when_nothing_holds_them(group, device
         torch.cuda.synchronize()
 
 
+def test_handle_block_written_again_only_when_nothing_holds_it(group, device):
+    """The usual dispatch writes its handle into the last handle's int32 block when nothing holds that handle any more
+    (no reference to its tensors, no tensor on their memory), instead of allocating; never while the handle or one of
+    its tensors is held, nor on another stream; and every handle combines its own dispatch."""
+    case = Case("handles", tokens=29, hidden=256)
+    me, R = group.rank(), group.size()
+    E = case.experts_per_rank * R
+    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), case.hidden * 2)
+    x, topk, w = on(device, inputs(case, me, R))
+    ref_combined, _ = expected_combine(case, me, R, ())
+
+    def dispatch():
+        layout = layout_of(buffer, topk, E)
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, **layout)
+        return expert_output(recv_x, me), recv_w, handle
+
+    def combines(y, recv_w, handle):
+        combined, _, _ = buffer.combine(y, handle, topk_weights=recv_w)
+        assert torch.equal(combined.cpu(), ref_combined)
+
+    y, recv_w, handle = dispatch()
+    combines(y, recv_w, handle)
+    was = handle[0].data_ptr()
+    del handle
+    y, recv_w, handle = dispatch()
+    assert handle[0].data_ptr() == was, "a dropped handle's block was not written again"
+    combines(y, recv_w, handle)
+    for name, hold in (("the handle", lambda h: h), ("its send_head", lambda h: h[5]),
+                       ("a view of its recv_src_idx", lambda h: h[3][1:])):
+        held, kept = hold(handle), [t.clone() if isinstance(t, torch.Tensor) else t for t in handle]
+        was = handle[0].data_ptr()
+        del handle
+        y2, recv_w2, handle = dispatch()
+        assert handle[0].data_ptr() != was, f"a handle's block written again while {name} was held"
+        combines(y2, recv_w2, handle)
+        old = held if name == "the handle" else None
+        if old is not None:
+            assert all(not isinstance(t, torch.Tensor) or torch.equal(t, k) for t, k in zip(old, kept))
+            combines(y, recv_w, old)
+        del held, old
+        y, recv_w = y2, recv_w2
+    if device.type == "cuda":
+        was = handle[0].data_ptr()
+        del handle
+        with torch.cuda.stream(torch.cuda.Stream()):
+            y, recv_w, handle = dispatch()
+            assert handle[0].data_ptr() != was, "a handle's block of one stream written again on another"
+            combines(y, recv_w, handle)
+        torch.cuda.synchronize()
+
+
 def test_calls_run_without_torch_function_modes(group, device):
     """Under a torch function mode (torch.set_default_device's, in DeepEP's tests) the layout, dispatch, cached
     dispatch and combine route no torch call through it (each would cost microseconds of Python), and return what

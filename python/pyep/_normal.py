@@ -167,6 +167,7 @@ class NormalMode:
         self._queued_rows = 0  # the most rows a queued dispatch of this rank had to redo
         self._configs = {}  # recommended configs' fields, by (kind, Buffer.num_sms, tuning.generation, channels)
         self._layout = None  # the last layout's tensors and their descriptions (see get_dispatch_layout)
+        self._handle_block = None  # the last dispatch's handle block, its stream and storage use count (_int32_block)
         self._counts = array.array("i", bytes(4 * 64))  # num_recv_tokens_per_expert, written by the core
 
     # ---- per-call helpers ---------------------------------------------------------------------------------------
@@ -269,6 +270,21 @@ class NormalMode:
         stream, in the same order, once they were freed."""
         return (_refcount(lay[0]) == 2 and _refcount(lay[1]) == 2 and _refcount(lay[2]) == 2
                 and _USE_COUNT(lay[2].untyped_storage()._cdata) == lay[9])
+
+    def _int32_block(self, flags: int, stream: int, n: int) -> torch.Tensor:
+        """n int32s for a dispatch's handle: the usual call on the stream of the last one (not during a CUDA graph
+        capture) gets the last handle's block back when nothing holds it any more (no reference but this buffer's, no
+        tensor on its memory: the handle was dropped), as _reusable_layout decides for a layout; else a new block, kept
+        for next time. A handle is small (its largest part is R int32s a token), so keeping it costs little memory."""
+        kept = self._handle_block
+        if flags != _USUAL or _USE_COUNT is None or (self._cuda and _capturing()):
+            return self._empty(flags, n, torch.int32)
+        if (kept is not None and kept[1] == n and kept[2] == stream and _refcount(kept[0]) == 2
+                and _USE_COUNT(kept[0].untyped_storage()._cdata) == kept[3]):
+            return kept[0]
+        block = torch.empty(n, dtype=torch.int32, device=self._device)
+        self._handle_block = (block, n, stream, _USE_COUNT(block.untyped_storage()._cdata))
+        return block
 
     def _counts_for(self, n: int) -> int:
         """The address of room for n int32 counts."""
@@ -453,7 +469,7 @@ class NormalMode:
         else:
             rows = num_worst_tokens if type(num_worst_tokens) is int and num_worst_tokens > 0 else 0
         hl = _handle_layout(R, C, T, rows, per_expert)
-        hb = self._empty(flags, hl[6], torch.int32)
+        hb = self._int32_block(flags, stream, hl[6])
         h = hb.data_ptr()
         try:
             if queued:
