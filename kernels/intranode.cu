@@ -1,10 +1,13 @@
 // intranode.cu: normal-mode dispatch and combine within one NVLink domain.
 //
-// One source, three sets of kernels, chosen by a define (the host compiles each set with the
-// constants it is specialised on):
-//   PYEP_NOTIFY    pyep_notify (the count exchange of a dispatch); constants: PYEP_RANKS.
+// One source, four kernels, chosen by defines (the host compiles each with the constants it is
+// specialised on):
+//   PYEP_NOTIFY    pyep_notify (the count exchange of a dispatch, notify.cuh); constants:
+//                  PYEP_RANKS.
 //   PYEP_DISPATCH  pyep_dispatch; constants: PYEP_RANKS, PYEP_HIDDEN_BYTES, PYEP_SCALES_BYTES,
 //                  PYEP_TOPK, PYEP_VEC.
+//   both           pyep_notify_dispatch, the queued dispatch in one launch: notify in block 0,
+//                  pyep_dispatch's blocks after it; the dispatch's constants.
 //   PYEP_COMBINE   pyep_combine; constants: PYEP_RANKS, PYEP_HIDDEN, PYEP_DTYPE (1 bf16,
 //                  2 fp16, 3 fp32), PYEP_TOPK, PYEP_VEC.
 //
@@ -14,6 +17,8 @@
 // pyep:defines PYEP_DISPATCH PYEP_RANKS=8 PYEP_HIDDEN_BYTES=7168 PYEP_SCALES_BYTES=224 PYEP_TOPK=8 PYEP_VEC=16
 // pyep:defines PYEP_DISPATCH PYEP_RANKS=3 PYEP_HIDDEN_BYTES=5760 PYEP_SCALES_BYTES=0 PYEP_TOPK=0 PYEP_VEC=16
 // pyep:defines PYEP_DISPATCH PYEP_RANKS=2 PYEP_HIDDEN_BYTES=198 PYEP_SCALES_BYTES=4 PYEP_TOPK=9 PYEP_VEC=2
+// pyep:defines PYEP_NOTIFY PYEP_DISPATCH PYEP_RANKS=8 PYEP_HIDDEN_BYTES=7168 PYEP_SCALES_BYTES=224 PYEP_TOPK=8 PYEP_VEC=16
+// pyep:defines PYEP_NOTIFY PYEP_DISPATCH PYEP_RANKS=2 PYEP_HIDDEN_BYTES=198 PYEP_SCALES_BYTES=4 PYEP_TOPK=9 PYEP_VEC=2
 // pyep:defines PYEP_COMBINE PYEP_RANKS=4 PYEP_HIDDEN=7168 PYEP_DTYPE=1 PYEP_TOPK=8 PYEP_VEC=16
 // pyep:defines PYEP_COMBINE PYEP_RANKS=8 PYEP_HIDDEN=2880 PYEP_DTYPE=2 PYEP_TOPK=0 PYEP_VEC=16
 // pyep:defines PYEP_COMBINE PYEP_RANKS=1 PYEP_HIDDEN=100 PYEP_DTYPE=3 PYEP_TOPK=33 PYEP_VEC=16
@@ -40,15 +45,17 @@
 //
 // Counters are reset by their owner between two barriers at the start of every call: after the
 // first barrier no peer still runs an earlier kernel that writes here, after the second every
-// counter of every rank is zero. Notify does it for the dispatch that follows it; a cached
-// dispatch or a combine does it in its own kernel, one launch a call (call_barriers): block 0
-// passes the barriers and resets, every other block waits for the second barrier to complete
-// before it touches a ring or a counter. The barriers are numbered by the host (ctx.seq and
-// seq + 1; the engine adds 2 for every call that has them, so every rank numbers alike).
+// counter of every rank is zero. Notify does it for the dispatch that follows it (in the queued
+// dispatch, the same kernel's block 0); a cached dispatch or a combine does it in its own kernel,
+// one launch a call (call_barriers): block 0 passes the barriers and resets, every other block
+// waits for the second barrier to complete before it touches a ring or a counter. The barriers
+// are numbered by the host (ctx.seq and seq + 1; the engine adds 2 for every call that has them,
+// so every rank numbers alike).
 //
 // Control region (goep.ControlBytes, zeroed at allocation): barrier signals (one u64 per rank,
 // the sequence number of the last barrier that rank reached; the host numbers barriers, every
-// rank alike), the abort word and the claim of the error record.
+// rank alike), the abort word, the claim of the error record, and the queued dispatch's verdict
+// (kCtlGo).
 //
 // # Ordering
 //
@@ -89,9 +96,6 @@ namespace pyep {
 #ifndef PYEP_THREADS
 #define PYEP_THREADS 768
 #endif
-#ifndef PYEP_NOTIFY_THREADS
-#define PYEP_NOTIFY_THREADS 1024
-#endif
 
 constexpr int kRanks = PYEP_RANKS;
 constexpr int kThreads = PYEP_THREADS;
@@ -105,8 +109,6 @@ typedef pyep_ctx Ctx;
 // The ranks that protocol.cuh's barrier and abort reach.
 PYEP_DEVICE constexpr int domain_ranks(const Ctx&) { return kRanks; }
 
-enum : int { kCtlGo = 80 };     // u64: seq of the notify that let a queued dispatch run
-
 // DeepEP's split of T tokens into C channels of consecutive tokens.
 PYEP_DEVICE void channel_range(i32 num_tokens, i32 num_channels, i32 c, i32& lo, i32& hi) {
     const i32 per = (num_tokens + num_channels - 1) / num_channels;
@@ -119,256 +121,22 @@ PYEP_DEVICE void channel_range(i32 num_tokens, i32 num_channels, i32 c, i32& lo,
 // ---------------------------------------------------------------------------------------------
 // Notify: every rank learns what every rank sends where, and checks its own arguments.
 
+#include "notify.cuh"
+
+#if !defined(PYEP_DISPATCH)
+
+#ifndef PYEP_NOTIFY_THREADS
+#define PYEP_NOTIFY_THREADS 1024
+#endif
 constexpr int kNotifyThreads = PYEP_NOTIFY_THREADS;
 
-typedef pyep_notify_params NotifyParams;  // params.h
-
-// Host-mapped answer of notify; the host waits for tag == seq (params.h).
-typedef pyep_notify_result NotifyResult;
-
-enum : i32 {
-    kStatusOK = 0,
-    kStatusTopk = 1,       // topk_idx[d0, d1] = d2 out of range
-    kStatusPerRank = 2,    // num_tokens_per_rank[d0] = d1 but is_token_in_rank routes d2
-    kStatusPerExpert = 3,  // num_tokens_per_expert[d0] = d1 < 0
-    kStatusPeer = 4,       // rank bad_rank has invalid arguments (peer_status, d0..d2)
-    kStatusWorst = 5,      // num_worst_tokens too small: rank bad_rank receives d0
-    kStatusLayout = 6,     // get_dispatch_layout's topk_idx[d0, d1] = d2 out of range
-};
-
-// Scratch block of one sender in a receiver's region: i64 status[4], i32 per_rank[R],
-// i32 counts[C] (its tokens to this receiver per channel), i32 per_expert[E/R] (for this
-// receiver's experts), i32 capacity.
-
+// Notify alone (a dispatch whose rows are allocated after the counts): its verdict is the host's
+// (the result's go), no kernel waits for it.
 extern "C" __global__ void __launch_bounds__(kNotifyThreads, 1) pyep_notify(const NotifyParams p) {
-    const Ctx& ctx = p.ctx;
-    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
-    constexpr int kNW = kNotifyThreads / 32;
-    const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
-    const i32 T = p.num_tokens, K = p.num_topk, E = p.num_experts, EPR = E / R;
-    PYEP_SHARED(i64, s_status, 4);
-    PYEP_SHARED(i64, s_bad_topk, 1);
-    PYEP_SHARED(i32, s_bad_expert, 1);
-    PYEP_SHARED(i32, s_sum, kRanks);
-    PYEP_SHARED(i32, s_flag, 1);
-    PYEP_SHARED(i64, s_col, kRanks);
-    if (tid == 0) {
-        s_bad_topk[0] = 0x7fffffffffffffffll;
-        s_bad_expert[0] = 0x7fffffff;
-        s_flag[0] = start_ok(ctx, kOpNotify) ? 0 : 1;
-    }
-    __syncthreads();
-    if (s_flag[0] != 0) return;
-
-    // Tokens per (channel, destination), into channel_prefix for now.
-    const u8* in_rank = reinterpret_cast<const u8*>(p.in_rank);
-    i32* cp = reinterpret_cast<i32*>(p.channel_prefix);
-    for (int c = warp; c < C; c += kNW) {
-        i32 lo, hi;
-        channel_range(T, C, c, lo, hi);
-        i32 cnt[kRanks];
-#pragma unroll
-        for (int d = 0; d < kRanks; d++) cnt[d] = 0;
-        // A lane reads whole rows: R independent byte loads, coalesced over the warp.
-#pragma unroll 4
-        for (i32 t = lo + lane; t < hi; t += 32) {
-            const u8* row = in_rank + static_cast<i64>(t) * kRanks;
-#pragma unroll
-            for (int d = 0; d < kRanks; d++) cnt[d] += row[d] != 0 ? 1 : 0;
-        }
-#pragma unroll
-        for (int d = 0; d < kRanks; d++) {
-            const i32 v = warp_sum(cnt[d]);
-            if (lane == 0) cp[d * C + c] = v;
-        }
-    }
-    // Our own arguments.
-    if (p.topk != 0) {
-        // Eight loads in flight per thread (the scan of [T, K] is most of notify's time), one
-        // shared atomic per warp.
-        constexpr int kU = 8;
-        const i64* topk = reinterpret_cast<const i64*>(p.topk);
-        const i64 n = static_cast<i64>(T) * K;
-        i64 bad = 0x7fffffffffffffffll;
-        for (i64 base = tid; base < n; base += kNotifyThreads * kU) {
-            i64 e[kU];
-#pragma unroll
-            for (int u = 0; u < kU; u++) {
-                const i64 i = base + static_cast<i64>(u) * kNotifyThreads;
-                e[u] = i < n ? ld_nc(topk + i) : 0;
-            }
-#pragma unroll
-            for (int u = 0; u < kU; u++)
-                if (e[u] < -1 || e[u] >= E) bad = min(bad, base + static_cast<i64>(u) * kNotifyThreads);
-        }
-        bad = warp_min(bad);
-        if (lane == 0 && bad != 0x7fffffffffffffffll)
-            atomicMin(reinterpret_cast<long long*>(s_bad_topk), static_cast<long long>(bad));
-    }
-    const i32* per_expert = reinterpret_cast<const i32*>(p.per_expert);
-    for (int e = tid; e < E; e += kNotifyThreads)
-        if (per_expert[e] < 0) atomicMin(s_bad_expert, e);
-    __syncthreads();
-    for (int d = warp; d < R; d += kNW) {
-        i32 s = 0;
-        for (int c = lane; c < C; c += 32) s += cp[d * C + c];
-        s = warp_sum(s);
-        if (lane == 0) s_sum[d] = s;
-    }
-    __syncthreads();
-    if (tid == 0) {
-        const i32* per_rank = reinterpret_cast<const i32*>(p.per_rank);
-        i64 st[4] = {kStatusOK, 0, 0, 0};
-        const u64* lrec = reinterpret_cast<const u64*>(p.layout_rec);
-        if (s_bad_topk[0] != 0x7fffffffffffffffll) {
-            const i64 i = s_bad_topk[0];
-            st[0] = kStatusTopk, st[1] = i / K, st[2] = i % K, st[3] = reinterpret_cast<const i64*>(p.topk)[i];
-        } else if (lrec != nullptr && ld_acquire_sys(lrec) == p.layout_tag) {
-            const u64 at = ld_volatile(lrec + 1);
-            st[0] = kStatusLayout, st[1] = static_cast<i64>(at >> 32), st[2] = static_cast<i64>(at & 0xffffffffu),
-            st[3] = static_cast<i64>(ld_volatile(lrec + 2));
-        } else {
-            for (int d = 0; d < R; d++) {
-                if (per_rank[d] != s_sum[d]) {
-                    st[0] = kStatusPerRank, st[1] = d, st[2] = per_rank[d], st[3] = s_sum[d];
-                    break;
-                }
-            }
-            if (st[0] == kStatusOK && s_bad_expert[0] != 0x7fffffff)
-                st[0] = kStatusPerExpert, st[1] = s_bad_expert[0], st[2] = per_expert[s_bad_expert[0]];
-        }
-        for (int i = 0; i < 4; i++) s_status[i] = st[i];
-    }
-    __syncthreads();
-
-    // Barrier: every rank is here, so nothing of an earlier call touches our memory any more.
-    if (warp == 0 && !barrier(ctx, kOpNotify, ctx.seq) && lane == 0) s_flag[0] = 1;
-    __syncthreads();
-    if (s_flag[0] != 0) return;
-
-    // Our block into every receiver's scratch; our counters to zero.
-    const i32* per_rank = reinterpret_cast<const i32*>(p.per_rank);
-    for (int d = 0; d < R; d++) {
-        u8* blk = reinterpret_cast<u8*>(ctx.data[d] + p.scratch_off + static_cast<u64>(me) * p.block_bytes);
-        i64* st = reinterpret_cast<i64*>(blk);
-        i32* ints = reinterpret_cast<i32*>(blk + 32);
-        if (tid < 4) st[tid] = s_status[tid];
-        if (tid < R) ints[tid] = per_rank[tid];
-        for (int c = tid; c < C; c += kNotifyThreads) ints[R + c] = cp[d * C + c];
-        for (int i = tid; i < EPR; i += kNotifyThreads) ints[R + C + i] = per_expert[d * EPR + i];
-        if (tid == 0) ints[R + C + EPR] = p.capacity;
-    }
-    {
-        u64* z = reinterpret_cast<u64*>(ctx.data[me]);
-        for (u64 i = tid; i < ctx.counter_bytes / 8; i += kNotifyThreads) z[i] = 0;
-    }
-    __syncthreads();
-    if (warp == 0 && !barrier(ctx, kOpNotify, ctx.seq + 1) && lane == 0) s_flag[0] = 1;
-    __syncthreads();
-    if (s_flag[0] != 0) return;
-
-    // Every sender's block is in our scratch.
-    const u8* scratch = reinterpret_cast<const u8*>(ctx.data[me] + p.scratch_off);
-    auto blk_status = [&](int src, int i) -> i64 {
-        return ld_ring(reinterpret_cast<const i64*>(scratch + static_cast<u64>(src) * p.block_bytes) + i);
-    };
-    auto blk_int = [&](int src, int i) -> i32 {
-        return ld_ring(reinterpret_cast<const int*>(scratch + static_cast<u64>(src) * p.block_bytes + 32) + i);
-    };
-    i32* rank_prefix = reinterpret_cast<i32*>(p.rank_prefix);
-    if (tid < R) {
-        i64 run = 0;
-        for (int src = 0; src < R; src++) {
-            run += blk_int(src, tid);
-            rank_prefix[src * R + tid] = static_cast<i32>(run);
-        }
-        s_col[tid] = run;
-    }
-    for (int src = warp; src < R; src += kNW) {
-        // recv_channel_prefix[src][c]: exclusive prefix over channels of what src sends here.
-        i32* rcp = reinterpret_cast<i32*>(p.recv_channel_prefix);
-        i32 carry = 0;
-        for (int base = 0; base < C; base += 32) {
-            const int c = base + lane;
-            const i32 v = c < C ? blk_int(src, R + c) : 0;
-            i32 incl = v;
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const i32 o = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += o;
-            }
-            if (c < C) rcp[src * C + c] = carry + incl - v;
-            carry += __shfl_sync(0xffffffffu, incl, 31);
-        }
-        // Our own send side: inclusive prefix, in place.
-        const int d = src;
-        carry = 0;
-        for (int base = 0; base < C; base += 32) {
-            const int c = base + lane;
-            const i32 v = c < C ? cp[d * C + c] : 0;
-            i32 incl = v;
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const i32 o = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += o;
-            }
-            __syncwarp();
-            if (c < C) cp[d * C + c] = carry + incl;
-            carry += __shfl_sync(0xffffffffu, incl, 31);
-        }
-    }
-    NotifyResult* res = reinterpret_cast<NotifyResult*>(p.result);
-    i32* res_experts = reinterpret_cast<i32*>(res + 1);
-    i32* recv_per_expert = reinterpret_cast<i32*>(p.recv_per_expert);
-    const i64 align = p.alignment > 0 ? p.alignment : 1;
-    for (int i = tid; i < EPR; i += kNotifyThreads) {
-        i64 n = 0;
-        for (int src = 0; src < R; src++) n += blk_int(src, R + C + i);
-        n = (n + align - 1) / align * align;
-        recv_per_expert[i] = static_cast<i32>(n);
-        st_relaxed_sys(res_experts + i, static_cast<i32>(n));
-    }
-    __syncthreads();
-    if (tid == 0) {
-        i32 status = static_cast<i32>(s_status[0]), bad_rank = -1, peer_status = 0;
-        i64 d0 = s_status[1], d1 = s_status[2], d2 = s_status[3];
-        if (status == kStatusOK) {
-            for (int src = 0; src < R; src++) {
-                const i64 ps = blk_status(src, 0);
-                if (src != me && ps != kStatusOK) {
-                    status = kStatusPeer, bad_rank = src, peer_status = static_cast<i32>(ps);
-                    d0 = blk_status(src, 1), d1 = blk_status(src, 2), d2 = blk_status(src, 3);
-                    break;
-                }
-            }
-        }
-        if (status == kStatusOK && p.num_worst > 0) {
-            int worst = -1;
-            for (int j = 0; j < R; j++)
-                if (s_col[j] > p.num_worst && (worst < 0 || s_col[j] > s_col[worst])) worst = j;
-            if (worst >= 0) status = kStatusWorst, bad_rank = worst, d0 = s_col[worst];
-        }
-        // Every rank sees every rank's rows and capacity, so all decide alike.
-        i32 go = 0;
-        if (status == kStatusOK && p.capacity > 0) {
-            go = 1;
-            for (int j = 0; j < R; j++) {
-                const i32 cap = blk_int(j, R + C + EPR);
-                if (cap > 0 && s_col[j] > cap) go = 0;
-            }
-            if (go) st_relaxed_sys(ctl_word(ctx, me, kCtlGo), ctx.seq);
-        }
-        st_relaxed_sys(&res->go, go);
-        st_relaxed_sys(&res->num_recv, static_cast<i32>(s_col[me]));
-        st_relaxed_sys(&res->status, status);
-        st_relaxed_sys(&res->bad_rank, bad_rank);
-        st_relaxed_sys(&res->peer_status, peer_status);
-        st_relaxed_sys(&res->d0, d0);
-        st_relaxed_sys(&res->d1, d1);
-        st_relaxed_sys(&res->d2, d2);
-        st_release_sys(&res->tag, ctx.seq);
-    }
+    notify_block<kNotifyThreads>(p, [](bool) {});
 }
+
+#endif  // !PYEP_DISPATCH
 
 #endif  // PYEP_NOTIFY
 
@@ -690,36 +458,103 @@ PYEP_DEVICE void dispatch_pad(const DispatchParams& p, int gw, int nw, int lane)
     }
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_dispatch(const DispatchParams p) {
+// Data block b of a dispatch (channel b / 2, sending when b is even), once start(tid), which every
+// thread calls after the block's shared memory is set, lets it touch the rings (false, on every
+// thread: the block returns). Only num_worst_tokens pads (pad): a queued dispatch's spare rows
+// are not returned.
+template <typename Start>
+PYEP_DEVICE void dispatch_block(const DispatchParams& p, int b, bool pad, Start start) {
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
-    const int c = static_cast<int>(blockIdx.x) / 2;
-    const bool sender = blockIdx.x % 2 == 0;
+    const int c = b / 2;
+    const bool sender = b % 2 == 0;
     PYEP_SHARED(i64, s_avail, 2 * kRanks);
     PYEP_SHARED(u64, s_tail, kRanks * kWarpsPerRank);
-    PYEP_SHARED(i32, s_flag, 2);  // [0]: the verdict of the start, [1]: sending warps not done
+    PYEP_SHARED(i32, s_left, 1);  // sending warps not done
     for (int i = tid; i < kRanks * kWarpsPerRank; i += kThreads) s_tail[i] = 0;
-    if (tid == 0) {
-        // Every rank reads the same verdict of notify: all run, or none does.
-        const bool skip = p.go_seq != 0 && ld_volatile(ctl_word(p.ctx, p.ctx.rank, kCtlGo)) != p.go_seq;
-        s_flag[0] = skip ? 2 : start_ok(p.ctx, kOpDispatch) ? 0 : 1;
-        s_flag[1] = kRanks * kWarpsPerRank;
-    }
-    __syncthreads();
-    if (s_flag[0] != 0) return;
-    if (p.barriers != 0 && !call_barriers(p.ctx, kOpDispatch, tid)) return;
+    if (tid == 0) s_left[0] = kRanks * kWarpsPerRank;
+    if (!start(tid)) return;
     const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
     if (sender && g < kRanks) {
         dispatch_send(p, c, g, wg, lane, s_tail + warp);
-        if (lane == 0) red_add_release_cta(s_flag + 1, -1);
+        if (lane == 0) red_add_release_cta(s_left, -1);
     } else if (sender && warp == kPublisher) {
-        publish_tails(p.ctx, c, s_tail, s_flag + 1, lane);
+        publish_tails(p.ctx, c, s_tail, s_left, lane);
     } else if (!sender && g < kRanks) {
         dispatch_recv(p, c, g, wg, lane, s_avail);
     }
-    // Only num_worst_tokens pads: a speculative dispatch's spare rows are not returned.
-    if (!sender && p.num_out_rows > 0 && p.go_seq == 0)
-        dispatch_pad(p, c * kWarps + warp, p.ctx.num_channels * kWarps, lane);
+    if (!sender && pad && p.num_out_rows > 0) dispatch_pad(p, c * kWarps + warp, p.ctx.num_channels * kWarps, lane);
 }
+
+#if !defined(PYEP_NOTIFY)
+
+// A dispatch after its notify (which passed the call's barriers and reset the counters), or a
+// cached dispatch, which passes them itself (p.barriers).
+extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_dispatch(const DispatchParams p) {
+    dispatch_block(p, static_cast<int>(blockIdx.x), true, [&](int tid) {
+        if (__syncthreads_or(tid == 0 && !start_ok(p.ctx, kOpDispatch))) return false;
+        return p.barriers == 0 || call_barriers(p.ctx, kOpDispatch, tid);
+    });
+}
+
+#else  // PYEP_NOTIFY
+
+// ---------------------------------------------------------------------------------------------
+// The queued dispatch, in one launch (a launch less of host time than notify, then the data
+// kernel): block 0 is notify (notify.cuh), blocks 1 .. 2C are pyep_dispatch's blocks 0 .. 2C - 1,
+// into rows allocated before the counts are known (p.notify.capacity of them).
+//
+// Block 0 publishes notify's verdict at kCtlGo of this rank with a release, after every output the
+// data blocks read (channel_prefix, rank_prefix) and after the second barrier, so after every
+// rank's counters were reset: the call's seq to go, seq | kNoGo not to (some rank's rows do not
+// fit, or some rank's arguments are invalid: every rank decides alike). A data block waits, like
+// call_barriers' waiting blocks, until every rank has reached that barrier (a rank that never
+// comes is named), then for the verdict, and acquires it before it reads those outputs. Both waits
+// are bounded and poll the abort word. The data blocks wait only on block 0 (the first the GPU
+// starts) and the peers' block 0, never on another data block, so the kernel gets through even
+// when not all its blocks are resident at once.
+
+enum : int { kCtlGo = 80 };  // u64, in this rank's control region: the last queued dispatch's verdict
+constexpr u64 kNoGo = 1ull << 63;
+
+typedef pyep_notify_dispatch_params NotifyDispatchParams;  // params.h
+
+// Thread 0 of a data block waits for the verdict on the call: true to go.
+PYEP_DEVICE bool await_verdict(const Ctx& ctx, int c) {
+    const u64* word = ctl_word(ctx, ctx.rank, kCtlGo);
+    u64 start = 0;
+    for (;;) {
+        const u64 v = ld_acquire_sys(word);
+        if ((v & ~kNoGo) == ctx.seq) return v == ctx.seq;
+        if (!keep_waiting(ctx, start, kOpDispatch, kWaitVerdict, c, ctx.rank, static_cast<i64>(ctx.seq),
+                          static_cast<i64>(v & ~kNoGo), 0))
+            return false;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_notify_dispatch(const NotifyDispatchParams p) {
+    if (blockIdx.x == 0) {
+        const Ctx& ctx = p.notify.ctx;
+        u64* word = ctl_word(ctx, ctx.rank, kCtlGo);
+        bool published = false;  // thread 0's
+        notify_block<kThreads>(p.notify, [&](bool go) {
+            st_release_sys(word, go ? ctx.seq : ctx.seq | kNoGo);
+            published = true;
+        });
+        // Stopped on a failure (the abort word is set): no-go, for a data block already past the
+        // barrier.
+        if (threadIdx.x == 0 && !published) st_release_sys(word, ctx.seq | kNoGo);
+        return;
+    }
+    const int b = static_cast<int>(blockIdx.x) - 1;
+    dispatch_block(p.dispatch, b, false, [&](int tid) {
+        const Ctx& ctx = p.dispatch.ctx;
+        bool ok = tid >= 32 || barrier_wait(ctx, kOpDispatch, ctx.seq + 1);
+        if (ok && tid == 0) ok = await_verdict(ctx, b / 2);
+        return !__syncthreads_or(!ok);
+    });
+}
+
+#endif  // PYEP_NOTIFY
 
 #endif  // PYEP_DISPATCH
 

@@ -43,8 +43,8 @@ struct pyep_notify_params {
     pyep_u64 block_bytes;
     pyep_i32 num_tokens, num_topk, num_experts, alignment;
     pyep_i32 num_worst;
-    // Rows this rank allocated for a dispatch launched before the host learns the counts
-    // (0: none). It runs only if every rank's rows fit: notify then writes its seq at kCtlGo.
+    // Rows this rank allocated for a dispatch queued before the host learns the counts (0:
+    // none). Its data blocks run only if every rank's rows fit (the result's go).
     pyep_i32 capacity;
     // The last get_dispatch_layout's record of a bad index (layout.cu; 0: no layout yet) and
     // its tag: a match fails this dispatch on every rank.
@@ -75,11 +75,15 @@ struct pyep_dispatch_params {
     pyep_i32 scale_token_stride, scale_stride;
     // 1: the kernel begins with the call's two barriers (ctx.seq, ctx.seq + 1) and resets this
     // rank's counters between them (a dispatch without a notify before it: a cached dispatch);
-    // 0: the notify before it did.
+    // 0: the notify before it did (or, in pyep_notify_dispatch, its block 0 does).
     pyep_i32 barriers;
-    // A speculative dispatch (launched behind its notify, into num_out_rows allocated rows):
-    // that notify's seq, and the kernel runs only if the notify left it at kCtlGo. 0: runs.
-    pyep_u64 go_seq;
+};
+
+// The queued dispatch (pyep_notify_dispatch): notify in block 0, the data blocks after it, into
+// num_out_rows = notify.capacity rows; both with the call's ctx.
+struct pyep_notify_dispatch_params {
+    struct pyep_notify_params notify;
+    struct pyep_dispatch_params dispatch;
 };
 
 struct pyep_combine_params {
@@ -229,7 +233,8 @@ enum pyep_ll_stamp { PYEP_LL_STAMP_LIST(PYEP_LL_STAMP_ID) PYEP_LL_STAMPS };
 PYEP_ABI_SIZE(struct pyep_ctx, 184);
 PYEP_ABI_SIZE(struct pyep_notify_params, 312);
 PYEP_ABI_SIZE(struct pyep_notify_result, 56);
-PYEP_ABI_SIZE(struct pyep_dispatch_params, 368);
+PYEP_ABI_SIZE(struct pyep_dispatch_params, 360);
+PYEP_ABI_SIZE(struct pyep_notify_dispatch_params, 672);
 PYEP_ABI_SIZE(struct pyep_combine_params, 304);
 PYEP_ABI_SIZE(struct pyep_layout_params, 72);
 PYEP_ABI_SIZE(struct pyep_layout_work, 16);

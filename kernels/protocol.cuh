@@ -56,6 +56,7 @@ enum : i32 {
     kWaitHead = 3,         // peer to free ring slots (head a, pushed b, ring c)
     kWaitAnnounce = 4,     // peer to announce its count for channel a
     kWaitToken = 5,        // combine: peer to return token a (slot b, tail c)
+    kWaitVerdict = 6,      // queued dispatch: this rank's notify (block 0) to decide on call a (last decided b)
     kBadRows = 10,         // peer sends a rows here, rank_prefix_matrix says b
     kBadInRank = 11,       // is_token_in_rank has a tokens for peer in the channel, channel_prefix_matrix b
     kRowsOverflow = 12,    // rows [a, b) do not fit c output rows

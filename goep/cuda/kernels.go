@@ -101,6 +101,7 @@ type Kernel int8
 const (
 	KernelNotify Kernel = iota + 1
 	KernelDispatch
+	KernelNotifyDispatch // the queued dispatch: notify and dispatch in one kernel
 	KernelCombine
 	KernelLayout
 	KernelLLDispatch
@@ -124,12 +125,13 @@ type kernelSymbol struct {
 }
 
 var kernelSymbols = map[Kernel]kernelSymbol{
-	KernelNotify:     {"intranode.cu", "pyep_notify", "pyep_notify"},
-	KernelDispatch:   {"intranode.cu", "pyep_dispatch", "pyep_dispatch"},
-	KernelCombine:    {"intranode.cu", "pyep_combine", "pyep_combine"},
-	KernelLayout:     {"layout.cu", "pyep_layout", "pyep_layout"},
-	KernelLLDispatch: {"low_latency.cu", "pyep_ll_dispatch", "_ZN4pyep2ll8dispatchENS_14pyep_ll_paramsE"},
-	KernelLLCombine:  {"low_latency.cu", "pyep_ll_combine", "_ZN4pyep2ll7combineENS_14pyep_ll_paramsE"},
+	KernelNotify:         {"intranode.cu", "pyep_notify", "pyep_notify"},
+	KernelDispatch:       {"intranode.cu", "pyep_dispatch", "pyep_dispatch"},
+	KernelNotifyDispatch: {"intranode.cu", "pyep_notify_dispatch", "pyep_notify_dispatch"},
+	KernelCombine:        {"intranode.cu", "pyep_combine", "pyep_combine"},
+	KernelLayout:         {"layout.cu", "pyep_layout", "pyep_layout"},
+	KernelLLDispatch:     {"low_latency.cu", "pyep_ll_dispatch", "_ZN4pyep2ll8dispatchENS_14pyep_ll_paramsE"},
+	KernelLLCombine:      {"low_latency.cu", "pyep_ll_combine", "_ZN4pyep2ll7combineENS_14pyep_ll_paramsE"},
 }
 
 // GPUSymbols are the symbols the GPU loads, by kernel file (for tests that check them against the compiled image).

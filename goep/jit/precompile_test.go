@@ -68,6 +68,7 @@ func TestPrecompileNormal(t *testing.T) {
 		for _, s := range shapes {
 			hb := s.hidden * s.es
 			add(intranode, cudanormal.DispatchDefines(R, hb, s.scales, s.topk, vec(hb), threads))
+			add(intranode, cudanormal.NotifyDispatchDefines(R, hb, s.scales, s.topk, vec(hb), threads)) // queued
 			add(intranode, cudanormal.DispatchDefines(R, hb, s.scales, 0, vec(hb), threads))
 			if s.combineDT != 0 {
 				ces := map[int]int{1: 2, 2: 2, 3: 4}[s.combineDT]

@@ -381,7 +381,8 @@ type queuedOut struct {
 
 // runQueued checks NotifyDispatch against the reference: once with room for every rank's rows
 // (the dispatch runs), once with one row each (it runs only if no rank receives more; otherwise
-// nothing moves, and a Dispatch into exact rows follows, as after Notify).
+// nothing moves, and a Dispatch into exact rows follows, as after Notify). Either way it is one
+// launch (intranode.cu's pyep_notify_dispatch: notify in block 0, the data blocks after it).
 func runQueued(t *testing.T, envs []*rankEnv, c rcase, topo []goep.Topology, peers [][]goep.Region, of func(r int) (queuedIn, queuedOut)) {
 	R, K, E, C := c.R, c.K, c.E, c.cfg.NumChannels()
 	rowBytes := c.hidden * c.dtype.Size()
@@ -424,7 +425,7 @@ func runQueued(t *testing.T, envs []*rankEnv, c rcase, topo []goep.Topology, pee
 				RecvTopkIdx: o.recvTopk.t, RecvTopkWeights: o.recvW.t, SendHead: o.sendH.t}
 		}
 		got := make([]outs, R)
-		ns, ran := make([]int, R), make([]bool, R)
+		ns, ran, launches := make([]int, R), make([]bool, R), make([]int, R)
 		for r, e := range envs {
 			in, _ := of(r)
 			got[r] = alloc(e, int64(capOf(r)), in.T)
@@ -433,18 +434,26 @@ func runQueued(t *testing.T, envs []*rankEnv, c rcase, topo []goep.Topology, pee
 			in, _ := of(r)
 			o := got[r]
 			var err error
+			before := envs[r].drv.Calls("LaunchKernel")
 			ns[r], ran[r], err = envs[r].normal().(goep.SpeculativeEngine).NotifyDispatch(peers[r], &goep.NotifyOp{Config: c.cfg, NumTokens: in.T,
 				NumExperts: E, ExpertAlignment: c.align, PerRank: in.perRank.t, PerExpert: in.perExpert.t, InRank: in.inRank.t,
 				RankPrefix: o.rp.t, ChannelPrefix: o.cp.t, RecvChannelPrefix: o.rcp.t, RecvPerExpert: o.rpe.t,
 				TopkIdx: in.topk.t, Capacity: capOf(r)}, op(in, o))
+			launches[r] = envs[r].drv.Calls("LaunchKernel") - before
 			return err
 		}))
 		for r := range envs {
 			_, want := of(r)
 			require.Equal(t, want.n, ns[r], "rank %d num_recv (spare %d)", r, spare)
 			require.Equal(t, fit, ran[r], "rank %d: the dispatch ran (spare %d)", r, spare)
+			require.Equal(t, 1, launches[r], "rank %d: notify and the data blocks in one launch (spare %d)", r, spare)
 		}
 		if !fit {
+			for r := range envs {
+				// No data block ran: the outputs are as allocated.
+				assert.True(t, untouched(got[r].recvX.b), "rank %d: recv_x written by a dispatch that did not run", r)
+				assert.True(t, untouched(got[r].sendH.b), "rank %d: send_head written by a dispatch that did not run", r)
+			}
 			exact := make([]outs, R)
 			for r, e := range envs {
 				in, _ := of(r)
@@ -470,6 +479,11 @@ func runQueued(t *testing.T, envs []*rankEnv, c rcase, topo []goep.Topology, pee
 			require.Equal(t, want.sendHead, i32s(o.sendH.b), "rank %d queued send_head", r)
 		}
 	}
+}
+
+// untouched reports whether b holds what alloc filled it with.
+func untouched(b []byte) bool {
+	return !slices.ContainsFunc(b, func(v byte) bool { return v != 0xcd })
 }
 
 // eachOf is each over the ranks of only (every rank when it is empty), calling before(r) (when

@@ -17,8 +17,10 @@ type (
 	notifyParams   = C.struct_pyep_notify_params
 	notifyResult   = C.struct_pyep_notify_result
 	dispatchParams = C.struct_pyep_dispatch_params
-	combineParams  = C.struct_pyep_combine_params
-	layoutParams   = C.struct_pyep_layout_params
+	// The queued dispatch's kernel's: notify's and the dispatch's, one after the other.
+	notifyDispatchParams = C.struct_pyep_notify_dispatch_params
+	combineParams        = C.struct_pyep_combine_params
+	layoutParams         = C.struct_pyep_layout_params
 )
 
 // u64 and i32 are values of the header's integer types.

@@ -14,10 +14,15 @@ import (
 func TestParamLayouts(t *testing.T) {
 	assert.EqualValues(t, 184, unsafe.Sizeof(kctx{}))
 	assert.EqualValues(t, 312, unsafe.Sizeof(notifyParams{}))
-	assert.EqualValues(t, 368, unsafe.Sizeof(dispatchParams{}))
-	assert.EqualValues(t, 360, unsafe.Offsetof(dispatchParams{}.go_seq))
+	assert.EqualValues(t, 360, unsafe.Sizeof(dispatchParams{}))
 	assert.EqualValues(t, 348, unsafe.Offsetof(dispatchParams{}.scale_token_stride))
 	assert.EqualValues(t, 356, unsafe.Offsetof(dispatchParams{}.barriers))
+	// The queued dispatch's kernel takes both, one after the other, well within the 4 KB of
+	// parameters a launch may pass.
+	assert.EqualValues(t, 672, unsafe.Sizeof(notifyDispatchParams{}))
+	assert.EqualValues(t, 0, unsafe.Offsetof(notifyDispatchParams{}.notify))
+	assert.EqualValues(t, 312, unsafe.Offsetof(notifyDispatchParams{}.dispatch))
+	assert.Less(t, unsafe.Sizeof(notifyDispatchParams{}), uintptr(4096))
 	assert.EqualValues(t, 296, unsafe.Offsetof(notifyParams{}.layout_rec))
 	assert.EqualValues(t, 304, unsafe.Sizeof(combineParams{}))
 	assert.EqualValues(t, 72, unsafe.Sizeof(layoutParams{}))

@@ -33,6 +33,14 @@ func DispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec, threads int)
 		"PYEP_SCALES_BYTES": itoa(scalesBytes), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec), "PYEP_THREADS": itoa(threads)}
 }
 
+// NotifyDispatchDefines are the queued dispatch's kernel's (notify in block 0, then the dispatch's
+// blocks), with DispatchDefines' constants.
+func NotifyDispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec, threads int) map[string]string {
+	d := DispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec, threads)
+	d["PYEP_NOTIFY"] = ""
+	return d
+}
+
 // CombineDefines are the combine kernel's: rows of hidden elements of dtype (1 bf16, 2 fp16,
 // 3 fp32), topk weights per row (0 for none), vec-byte vectors.
 func CombineDefines(numRanks, hidden, dtype, topk, vec, threads int) map[string]string {

@@ -25,7 +25,7 @@ func (e *engine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 	if notified {
 		limit = st.scratchOff
 	}
-	f, off, err := e.prepareDispatch(st, topo, a, limit)
+	f, off, err := e.prepareDispatch(st, topo, a, limit, cuda.KernelDispatch)
 	if err != nil {
 		return err
 	}
@@ -33,11 +33,12 @@ func (e *engine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 		return err
 	}
 	// Without a notify before it (a cached dispatch) the kernel passes the call's barriers itself.
-	e.fillDispatch(st, topo, peers, a, off, 0)
+	p := &e.params.queued.dispatch
+	e.fillDispatch(p, st, topo, peers, a, off)
 	if !notified {
-		e.params.dispatch.barriers = 1
+		p.barriers = 1
 	}
-	if err := e.launch(f, uint32(2*a.Config.NumChannels()), uint32(e.opts.Threads), unsafe.Pointer(&e.params.dispatch)); err != nil {
+	if err := e.launch(f, uint32(2*a.Config.NumChannels()), uint32(e.opts.Threads), unsafe.Pointer(p)); err != nil {
 		return err
 	}
 	if !notified {
@@ -47,8 +48,10 @@ func (e *engine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 }
 
 // prepareDispatch checks a dispatch whose rings must end by limit (the region's end, or the
-// scratch of the notify before it) and finds its kernel.
-func (e *engine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.DispatchOp, limit int64) (f driver.Function, off [5]int64, err error) {
+// scratch of the notify before it) and finds its kernel: kernel is cuda.KernelDispatch, or
+// cuda.KernelNotifyDispatch for the queued dispatch (notify in the same launch).
+func (e *engine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.DispatchOp, limit int64,
+	kernel cuda.Kernel) (f driver.Function, off [5]int64, err error) {
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	slots := a.Config.NumMaxNVLChunkedRecvTokens
 	// goep checked the top-k and the experts; the row sizes are this engine's limits.
@@ -67,18 +70,19 @@ func (e *engine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.Di
 	}
 	threads := int32(e.opts.Threads)
 	vec := vecBytes(a.HiddenBytes, ptr(a.X), ptr(a.RecvX))
-	key := cuda.KernelKey{Kernel: cuda.KernelDispatch, Ranks: int32(R), A: int32(a.HiddenBytes), B: int32(a.ScalesBytes),
+	key := cuda.KernelKey{Kernel: kernel, Ranks: int32(R), A: int32(a.HiddenBytes), B: int32(a.ScalesBytes),
 		C: int32(a.NumTopk), D: int32(vec), Threads: threads}
 	f, err = e.b.Kernel(key, func() map[string]string {
+		if kernel == cuda.KernelNotifyDispatch {
+			return NotifyDispatchDefines(R, a.HiddenBytes, a.ScalesBytes, a.NumTopk, vec, int(threads))
+		}
 		return DispatchDefines(R, a.HiddenBytes, a.ScalesBytes, a.NumTopk, vec, int(threads))
 	})
 	return f, off, err
 }
 
-// fillDispatch fills the dispatch's launch parameters; goSeq is the notify that must let a
-// speculative dispatch run (0: it runs).
-func (e *engine) fillDispatch(st *bufferState, topo goep.Topology, peers []goep.Region, a *goep.DispatchOp, off [5]int64, goSeq uint64) {
-	p := &e.params.dispatch
+// fillDispatch fills p, the dispatch's launch parameters (without barriers of its own).
+func (e *engine) fillDispatch(p *dispatchParams, st *bufferState, topo goep.Topology, peers []goep.Region, a *goep.DispatchOp, off [5]int64) {
 	e.fillCtx(&p.ctx, st, topo, peers, a.Config)
 	p.x, p.x_scales, p.topk, p.weights, p.in_rank = u64(ptr(a.X)), u64(ptr(a.XScales)), u64(ptr(a.TopkIdx)), u64(ptr(a.TopkWeights)), u64(ptr(a.InRank))
 	p.rank_prefix, p.channel_prefix = u64(ptr(a.RankPrefix)), u64(ptr(a.ChannelPrefix))
@@ -92,7 +96,7 @@ func (e *engine) fillDispatch(st *bufferState, topo goep.Topology, peers []goep.
 	if p.scale_token_stride == 0 && p.scale_stride == 0 {
 		p.scale_token_stride, p.scale_stride = i32(a.ScalesBytes/4), 1
 	}
-	p.barriers, p.go_seq = 0, u64(goSeq)
+	p.barriers = 0
 }
 
 // Combine implements goep.NormalEngine: it queues the kernel and returns.

@@ -90,10 +90,10 @@ type engine struct {
 }
 
 type launchParams struct {
-	notify   notifyParams
-	dispatch dispatchParams
-	combine  combineParams
-	layout   layoutParams
+	// notify's and the dispatch's, launched apart or, for the queued dispatch, as one kernel's
+	queued  notifyDispatchParams
+	combine combineParams
+	layout  layoutParams
 }
 
 var (

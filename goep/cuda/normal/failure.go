@@ -73,6 +73,11 @@ func waitText(what int32, a, b, c int64) string {
 			return fmt.Sprintf("return token %d (its slot %d, pushed %d)", a, b, c)
 		}
 		return "return tokens"
+	case 6:
+		if known {
+			return fmt.Sprintf("finish its notify (of barrier #%d; the last one decided was #%d)", a, b)
+		}
+		return "finish its notify"
 	}
 	return "make progress"
 }

@@ -33,11 +33,16 @@ func (hostLoader) Load(b *cuda.Backend, file, kernel string, defines map[string]
 	d := b.Driver().(*fake.Driver)
 	name := "host:" + kernel
 	d.World().RegisterKernel(name, func(l *fake.Launch) error {
-		if kernel != "pyep_notify" {
+		var p *notifyParams
+		switch kernel {
+		case "pyep_notify":
+			p = (*notifyParams)(l.Args[0])
+		case "pyep_notify_dispatch":
+			p = &(*notifyDispatchParams)(l.Args[0]).notify
+		default:
 			return nil
 		}
 		// Every rank's rows fit: notify lets the queued dispatch run, and answers with T rows.
-		p := (*notifyParams)(l.Args[0])
 		mem, err := l.Mem(driver.DevicePtr(p.result), notifyResultBytes)
 		if err != nil {
 			return err
@@ -285,8 +290,8 @@ func TestHostPathDriverCalls(t *testing.T) {
 	d := h.be.Driver().(*fake.Driver)
 	want := map[string][]int{ // per driverOps
 		"layout":          {1, 1, 0, 0, 0},
-		"dispatch_bf16":   {1, 2, 0, 0, 0},
-		"dispatch_fp8":    {1, 2, 0, 0, 0},
+		"dispatch_bf16":   {1, 1, 0, 0, 0}, // notify and the data blocks in one kernel
+		"dispatch_fp8":    {1, 1, 0, 0, 0},
 		"dispatch_cached": {1, 1, 0, 0, 0}, // the kernel passes the call's barriers itself
 		"combine":         {1, 1, 0, 0, 0},
 		"ll_dispatch":     {1, 1, 0, 0, 0},

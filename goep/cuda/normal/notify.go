@@ -93,61 +93,68 @@ func (e *engine) Notify(peers []goep.Region, a *goep.NotifyOp) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	f, scratchOff, err := e.prepareNotify(st, topo, peers, a)
+	scratchOff, err := e.prepareNotify(st, topo, peers, a)
+	if err != nil {
+		return 0, err
+	}
+	R, threads := int32(topo.NumNVLRanks), int32(e.opts.NotifyThreads)
+	f, err := e.b.Kernel(cuda.KernelKey{Kernel: cuda.KernelNotify, Ranks: R, Threads: threads},
+		func() map[string]string { return NotifyDefines(int(R), int(threads), e.opts.Threads) })
 	if err != nil {
 		return 0, err
 	}
 	if err := e.orderBefore(a.Order); err != nil {
 		return 0, err
 	}
-	seq, err := e.launchNotify(f, st)
-	if err != nil {
+	seq := st.seq
+	if err := e.launch(f, 1, uint32(threads), unsafe.Pointer(&e.params.queued.notify)); err != nil {
 		return 0, err
 	}
+	st.seq += 2
 	n, _, err := e.finishNotify(st, seq, topo, a, scratchOff)
 	return n, err
 }
 
-// NotifyDispatch implements goep.SpeculativeEngine: notify, and behind it on the stream the
-// dispatch into rows allocated before the counts are known (n.Capacity of them), then the
-// wait for notify's answer. The dispatch runs only if every rank's rows fit (notify's verdict,
-// the same on every rank); otherwise it returns at once, ran is false, and the caller
-// dispatches again into exact rows (that Dispatch follows the notify, as after Notify). n.Order
-// orders both: the stream order of a dispatch that does not run is the later Dispatch's.
+// NotifyDispatch implements goep.SpeculativeEngine: notify and the dispatch into rows allocated
+// before the counts are known (n.Capacity of them) in one launch (intranode.cu's
+// pyep_notify_dispatch: notify in block 0, the data blocks after it), then the wait for notify's
+// answer. The data blocks run only if every rank's rows fit (notify's verdict, the same on every
+// rank); otherwise they return at once, ran is false, and the caller dispatches again into exact
+// rows (that Dispatch follows the notify, as after Notify). n.Order orders the call: the stream
+// order of a dispatch that does not run is the later Dispatch's.
 func (e *engine) NotifyDispatch(peers []goep.Region, n *goep.NotifyOp, d *goep.DispatchOp) (numRecv int, ran bool, err error) {
 	topo := e.env.Topo
 	if n.Capacity <= 0 || int64(n.Capacity) != d.RecvX.Shape[0] {
 		return 0, false, goep.Argf("dispatch: capacity = %d for %d allocated rows", n.Capacity, d.RecvX.Shape[0])
+	}
+	// The data blocks read the prefixes that block 0 writes.
+	if ptr(d.RankPrefix) != ptr(n.RankPrefix) || ptr(d.ChannelPrefix) != ptr(n.ChannelPrefix) {
+		return 0, false, errors.New("pyep: internal error: a queued dispatch reads other prefix matrices than its notify writes")
 	}
 	end, st, _, err := e.enterBuffer()
 	defer end()
 	if err != nil {
 		return 0, false, err
 	}
-	// Everything is checked and compiled before the first launch: once notify runs, the peers
-	// count on this rank's dispatch.
-	fn, scratchOff, err := e.prepareNotify(st, topo, peers, n)
+	scratchOff, err := e.prepareNotify(st, topo, peers, n)
 	if err != nil {
 		return 0, false, err
 	}
-	fd, off, err := e.prepareDispatch(st, topo, d, scratchOff)
+	f, off, err := e.prepareDispatch(st, topo, d, scratchOff, cuda.KernelNotifyDispatch)
 	if err != nil {
 		return 0, false, err
 	}
 	if err := e.orderBefore(n.Order); err != nil {
 		return 0, false, err
 	}
-	seq, err := e.launchNotify(fn, st)
-	if err != nil {
+	// Both halves with the call's barrier numbers: block 0 passes them, the data blocks wait for
+	// the second.
+	seq := st.seq
+	e.fillDispatch(&e.params.queued.dispatch, st, topo, peers, d, off)
+	if err := e.launch(f, uint32(2*d.Config.NumChannels()+1), uint32(e.opts.Threads), unsafe.Pointer(&e.params.queued)); err != nil {
 		return 0, false, err
 	}
-	e.fillDispatch(st, topo, peers, d, off, seq)
-	if err := e.launch(fd, uint32(2*d.Config.NumChannels()), uint32(e.opts.Threads), unsafe.Pointer(&e.params.dispatch)); err != nil {
-		if st.dead == nil {
-			st.dead = fmt.Errorf("pyep: dispatch: the launch after its notify failed: %w", err)
-		}
-		return 0, false, err
-	}
+	st.seq += 2
 	numRecv, ran, err = e.finishNotify(st, seq, topo, n, scratchOff)
 	if err != nil || !ran {
 		return numRecv, ran, err
@@ -156,21 +163,21 @@ func (e *engine) NotifyDispatch(peers []goep.Region, n *goep.NotifyOp, d *goep.D
 	return numRecv, ran, e.orderAfter(n.Order)
 }
 
-// prepareNotify checks a notify, finds its kernel and fills its launch parameters.
+// prepareNotify checks a notify and fills its launch parameters (e.params.queued.notify).
 func (e *engine) prepareNotify(st *bufferState, topo goep.Topology, peers []goep.Region,
-	a *goep.NotifyOp) (f driver.Function, scratchOff int64, err error) {
+	a *goep.NotifyOp) (scratchOff int64, err error) {
 	b := e.b
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	E := a.NumExperts
 	// goep checked the arguments' ranges; the capacity is what goep allocated.
 	if a.Capacity < 0 || a.Capacity > goep.MaxRows {
-		return f, 0, goep.Argf("dispatch: capacity = %d is out of range", a.Capacity)
+		return 0, goep.Argf("dispatch: capacity = %d is out of range", a.Capacity)
 	}
 	blockBytes, scratch := notifyScratch(R, C, E)
 	scratchOff = (e.env.NumNVLBytes - scratch) / 16 * 16
 	_, counterBytes := counters(C, R)
 	if counterBytes > scratchOff {
-		return f, 0, tooSmall("dispatch", me, e.env.NumNVLBytes, counterBytes+scratch,
+		return 0, tooSmall("dispatch", me, e.env.NumNVLBytes, counterBytes+scratch,
 			fmt.Sprintf("the ring counters and the count exchange of %d ranks, %d channels and %d experts", R, C, E))
 	}
 	epr := E / R
@@ -181,16 +188,11 @@ func (e *engine) prepareNotify(st *bufferState, topo goep.Topology, peers []goep
 		}
 		n := max(epr, 256)
 		if st.resHost, st.resDev, err = b.HostAlloc(notifyResultBytes + 4*n); err != nil {
-			return f, 0, err
+			return 0, err
 		}
 		st.resCap = n
 	}
-	threads := int32(e.opts.NotifyThreads)
-	key := cuda.KernelKey{Kernel: cuda.KernelNotify, Ranks: int32(R), Threads: threads}
-	if f, err = e.b.Kernel(key, func() map[string]string { return NotifyDefines(R, int(threads), e.opts.Threads) }); err != nil {
-		return f, 0, err
-	}
-	p := &e.params.notify
+	p := &e.params.queued.notify
 	e.fillCtx(&p.ctx, st, topo, peers, a.Config)
 	K := int32(0)
 	if a.TopkIdx.Valid {
@@ -209,17 +211,7 @@ func (e *engine) prepareNotify(st *bufferState, topo goep.Topology, peers []goep
 	if e.layoutTag > 0 {
 		p.layout_rec, p.layout_tag = u64(uint64(e.layoutDev)), u64(e.layoutTag)
 	}
-	return f, scratchOff, nil
-}
-
-// launchNotify queues the prepared notify; it returns the notify's barrier number.
-func (e *engine) launchNotify(f driver.Function, st *bufferState) (seq uint64, err error) {
-	seq = st.seq
-	if err := e.launch(f, 1, uint32(e.opts.NotifyThreads), unsafe.Pointer(&e.params.notify)); err != nil {
-		return 0, err
-	}
-	st.seq += 2
-	return seq, nil
+	return scratchOff, nil
 }
 
 // finishNotify waits for the answer of the notify with barrier number seq.
