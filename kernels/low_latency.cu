@@ -216,12 +216,13 @@ PYEP_DEVICE void run_phases(const LLParams& p, Send send, Recv recv) {
     }
 }
 
-// Where the phases below split their work: a unit is a token (dispatch send) or an (expert, rank)
-// pair (dispatch receive, combine send); block b takes units b, b + G, b + 2G, ... (G blocks), up
-// to kBatch of them at once: the batch's waits are settled together first (warp 0, a lane a unit
-// or a (unit, source) item; the dispatch send, a thread a selection), then the whole block moves
-// the rows of every unit of the batch as one list, so that a block's units cost about one memory
-// round trip together rather than one each.
+// Where the batched phases split their work: a unit is a token (dispatch send) or an (expert, rank)
+// pair (combine send to remote peers, or more pairs than a block holds); block b takes units b,
+// b + G, b + 2G, ... (G blocks), up to kBatch of them at once: the batch's waits are settled
+// together first (warp 0, a lane a unit; the dispatch send, a thread a selection), then the whole
+// block moves the rows of every unit of the batch as one list, so that a block's units cost about
+// one memory round trip together rather than one each. (The balanced phases, below, deal rows or
+// items instead; low_latency_dispatch.cuh says how the dispatch receive does.)
 // Every load of a round is issued before its first use (asm volatile loads keep program order,
 // so a load used at once would wait its full latency before the next is issued).
 constexpr int kChunk = 256;  // channels a warp moves per step: 8 per lane (16 B of BF16)
@@ -236,12 +237,16 @@ PYEP_DEVICE int batch_units(int u0, int n) {
     return left < kBatch ? left : kBatch;
 }
 
-// Which unit of a batch item k belongs to, given each unit's first item (first[0] = 0,
-// nondecreasing, first[P] the total).
+// The unit of item k: the last of the P units whose first item (first[i], nondecreasing; first[0] = 0)
+// is <= k, found by a binary search (units with no item are passed over).
 PYEP_DEVICE int unit_of(const i32* first, int P, int k) {
-    int i = 0;
-    while (i + 1 < P && first[i + 1] <= k) i++;
-    return i;
+    int lo = 0, hi = P - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= k) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
 }
 
 // Whether this thread may write into peer dst's half this call: dst unmasked and its
@@ -303,466 +308,8 @@ PYEP_DEVICE int block_exclusive_sum(int v, i32* s_warp, int& total) {
 constexpr int kPairsShared = 4 * kThreads;  // pairs a block holds the prefix sums of
 constexpr int kRowsRound = 64;               // rows a block locates at once
 
-// The pair of row k: the last of the NP pairs whose first row (first[c], nondecreasing) is <= k.
-PYEP_DEVICE int pair_of_row(const i32* first, int NP, int k) {
-    int lo = 0, hi = NP - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (first[mid] <= k) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
 #if defined(PYEP_LL_DISPATCH)
-
-constexpr bool kFP8 = PYEP_LL_FP8 != 0;
-constexpr bool kRound = PYEP_LL_ROUND != 0;
-constexpr int kMsgHeader = 16;  // a message: int32 source token, 3 reserved, the row, its scales
-constexpr int kCastBatch = 8;   // chunks a warp has in flight when it casts or packs messages
-constexpr bool kUE8M0 = PYEP_LL_UE8M0 != 0;
-constexpr int kScales = kHidden / kScaleBlock;
-
-// The one step that writes a piece of a message into a destination slot (this rank's or a peer's,
-// reached through p.peers): the v at byte off of the message at slot.
-template <typename V>
-PYEP_DEVICE void put_piece(u64 slot, int off, V v) {
-    st_na(reinterpret_cast<V*>(reinterpret_cast<u8*>(slot) + off), v);
-}
-
-// One warp casts its items it0, it0 + stride, ... (kCastBatch of them, those < total) once each
-// and writes each into every slot of its token: locate(it, tok, ch, slots) says that item it is
-// chunk ch of token tok, whose message goes to slots[0..kTopk) (0: none). Lane l moves channels
-// ch * 256 + 8 l; with FP8, 16 lanes share a scale block.
-template <typename Locate>
-PYEP_DEVICE void put_chunks(const LLParams& p, int it0, int stride, int total, Locate locate) {
-    const int lane = lane_id();
-    const u16* x = reinterpret_cast<const u16*>(p.x);
-    int4 in[kCastBatch] = {};
-    i32 tok[kCastBatch];
-    int ch[kCastBatch];
-    const u64* slots[kCastBatch];
-#pragma unroll
-    for (int b = 0; b < kCastBatch; b++) {
-        const int it = it0 + b * stride;
-        tok[b] = 0, ch[b] = 0, slots[b] = nullptr;
-        if (it < total) locate(it, tok[b], ch[b], slots[b]);
-        const int c = ch[b] * kChunk + lane * 8;
-        if (it < total && c < kHidden) in[b] = ld_nc(reinterpret_cast<const int4*>(x + static_cast<i64>(tok[b]) * kHidden + c));
-    }
-#pragma unroll
-    for (int b = 0; b < kCastBatch; b++) {
-        if (it0 + b * stride >= total) break;  // warp-uniform
-        const int c = ch[b] * kChunk + lane * 8;
-        const bool on = c < kHidden;
-        if (!kFP8) {
-            for (int k = 0; k < kTopk; k++) {
-                const u64 slot = slots[b][k];
-                if (slot == 0) continue;
-                if (ch[b] == 0 && lane == 0) put_piece(slot, 0, static_cast<int>(tok[b]));
-                if (on) put_piece(slot, kMsgHeader + 2 * c, in[b]);
-            }
-            continue;
-        }
-        float f[8];
-        float amax = 1e-4f;
-        const u32 words[4] = {static_cast<u32>(in[b].x), static_cast<u32>(in[b].y), static_cast<u32>(in[b].z), static_cast<u32>(in[b].w)};
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            f[2 * k] = bf16_to_float(static_cast<u16>(words[k] & 0xffffu));
-            f[2 * k + 1] = bf16_to_float(static_cast<u16>(words[k] >> 16));
-        }
-        if (on)
-#pragma unroll
-            for (int k = 0; k < 8; k++) amax = fmaxf(amax, fabsf(f[k]));
-#pragma unroll
-        for (int m2 = 1; m2 < 16; m2 <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m2));
-        if (!on) continue;
-        float scale, inv;
-        fp8_scales<kRound>(amax, scale, inv);
-#pragma unroll
-        for (int k = 0; k < 8; k++) f[k] = mul_rn(f[k], scale);
-        const int2 packed = pack_e4m3(f);
-        for (int k = 0; k < kTopk; k++) {
-            const u64 slot = slots[b][k];
-            if (slot == 0) continue;
-            if (ch[b] == 0 && lane == 0) put_piece(slot, 0, static_cast<int>(tok[b]));
-            put_piece(slot, kMsgHeader + c, packed);
-            if (lane % 16 == 0) put_piece(slot, kMsgHeader + kHidden + 4 * (c / kScaleBlock), static_cast<int>(__float_as_uint(inv)));
-        }
-    }
-}
-
-// Counts, over this rank's tokens, those that selected expert g[q] (total[q]) and those of them
-// before token before_tok[q] (before[q]), for q < nq (g[q] = -1 counts nothing); before and total
-// start at 0. The block's threads take a token each, and every query is a ballot a warp.
-PYEP_DEVICE void count_selections(const LLParams& p, const i32* g, const i32* before_tok, int nq, i32* before, i32* total) {
-    const int lane = lane_id();
-    const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
-    for (int t0 = 0; t0 < p.num_tokens; t0 += kThreads) {
-        const int t = t0 + static_cast<int>(threadIdx.x);
-        i64 e[kTopk];
-#pragma unroll
-        for (int k = 0; k < kTopk; k++) e[k] = t < p.num_tokens ? ld_nc(idx + static_cast<i64>(t) * kTopk + k) : -1;
-        for (int q = 0; q < nq; q++) {
-            const i64 want = g[q];
-            bool hit = false;
-#pragma unroll
-            for (int k = 0; k < kTopk; k++) hit |= e[k] == want;
-            hit = hit && want >= 0;
-            const u32 all = __ballot_sync(0xffffffffu, hit), early = __ballot_sync(0xffffffffu, hit && t < before_tok[q]);
-            if (lane == 0 && all != 0u) {
-                atomicAdd(total + q, __popc(all));
-                if (early != 0u) atomicAdd(before + q, __popc(early));
-            }
-        }
-    }
-}
-
-// The same counts from per-expert bitmaps of the tokens that selected each expert (mark_selections:
-// word w of expert g's row, bit i for token 32 w + i), which every block builds once a call in
-// shared memory: a query is then a few popcounts instead of a ballot of every warp.
-constexpr int kMarkWords = 8192;  // E * ceil(T / 32) words at most; more experts or tokens count by ballots
-PYEP_DEVICE void mark_selections(const LLParams& p, u32* marks, int W) {
-    const int tid = static_cast<int>(threadIdx.x), E = p.num_experts;
-    const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
-    for (int i = tid; i < E * W; i += kThreads) marks[i] = 0;
-    __syncthreads();
-    for (int t = tid; t < p.num_tokens; t += kThreads) {
-        i64 e[kTopk];
-#pragma unroll
-        for (int k = 0; k < kTopk; k++) e[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
-#pragma unroll
-        for (int k = 0; k < kTopk; k++)
-            if (e[k] >= 0 && e[k] < E) atomicOr(marks + e[k] * W + t / 32, 1u << (t % 32));
-    }
-    __syncthreads();
-}
-PYEP_DEVICE void count_marked(const u32* marks, int W, const i32* g, const i32* before_tok, int nq, i32* before, i32* total) {
-    for (int q = static_cast<int>(threadIdx.x); q < nq; q += kThreads) {
-        if (g[q] < 0) continue;
-        const u32* m = marks + g[q] * W;
-        const int t = before_tok[q];
-        int all = 0, early = 0;
-        for (int w = 0; w < W; w++) {
-            const u32 v = m[w];
-            all += __popc(v);
-            if (w < t / 32) early += __popc(v);
-            if (w == t / 32) early += __popc(v & ((1u << (t % 32)) - 1u));
-        }
-        before[q] = early, total[q] = all;
-    }
-}
-
-// Send: a unit is a token. For a batch of its tokens, the block settles every selection (expert g
-// of token t, once however often t selected g): its slot at g's rank is the number of tokens
-// before t that selected g (so that receivers get g's rows in token order, as the reference
-// does), and whether g's rank may be written. Then the warps cast each chunk of every token once
-// and write it into all of the token's slots; after a barrier, every selection counts itself in
-// g's counter (p.expert_sent), and the selection that completes g's count (every block knows how
-// many tokens selected g) stores g's flag seq << 32 | count. Experts that no token selected get
-// their flag (count 0) from block g % G, which asks for its experts (kOwn a batch) in the same
-// counting pass as its tokens' selections. A selection whose rank is remote is not written there:
-// the token's message is cast once into this rank's send area (message t), and after the barrier
-// a warp puts it from there into the slot, before any count (a barrier again); its flag is a signal.
-constexpr int kSel = kBatch * kTopk;  // selections of a batch
-constexpr int kOwn = 16;              // experts a block asks about for their zero flags, a batch
-PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
-    // Queries [0, S) are the batch's selections, [S, S + own) the experts the block flags when no token selected them.
-    PYEP_SHARED(i32, s_g, kSel + kOwn);       // query q's expert, or -1 (none, or a repeat)
-    PYEP_SHARED(i32, s_t, kSel + kOwn);       // selection q's token
-    PYEP_SHARED(i32, s_before, kSel + kOwn);  // tokens before q's that selected its expert
-    PYEP_SHARED(i32, s_total, kSel + kOwn);   // tokens that selected q's expert
-    PYEP_SHARED(u64, s_slot, kSel);           // selection q's slot at its rank (0: not written), or the staged message
-    PYEP_SHARED(u64, s_rslot, kSel);          // selection q's slot at its rank when that is remote (0: none)
-    const int warp = static_cast<int>(threadIdx.x) / 32, tid = static_cast<int>(threadIdx.x), R = p.num_ranks,
-              E = p.num_experts, L = E / R, T = p.num_tokens, G = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
-    const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
-    i32* sent = reinterpret_cast<i32*>(p.expert_sent);
-    auto flag = [&](int g) { return reinterpret_cast<u64*>(region(p, g / L) + p.off_dflags) + (g % L) * R + p.rank; };
-    u8* staged = local(p) + p.off_send;  // remote ranks' messages, by token
-    const int owned = b < E ? (E - b + G - 1) / G : 0;  // experts b, b + G, ...
-    PYEP_LL_STAMP_START(p, PYEP_LL_DS_START, PYEP_LL_DS_FLAGGED);
-    PYEP_SHARED(u32, s_marks, kMarkWords);
-    const int W = (T + 31) / 32;
-    const bool marked = E * W <= kMarkWords;  // block-uniform
-    if (marked && (b < T || owned > 0)) mark_selections(p, s_marks, W);
-    for (int u0 = b, asked = 0; u0 < T || asked < owned; u0 += kBatch * G) {
-        const int P = u0 < T ? batch_units(u0, T) : 0, S = P * kTopk;
-        const int own = owned - asked < kOwn ? owned - asked : kOwn;
-        __syncthreads();  // the previous batch's readers are done with the shared arrays
-        // A thread a token: its selections' loads all in flight, repeats found in registers.
-        for (int i = tid; i < P; i += kThreads) {
-            const int t = u0 + i * G;
-            i64 e[kTopk];
-#pragma unroll
-            for (int k = 0; k < kTopk; k++) e[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
-#pragma unroll
-            for (int k = 0; k < kTopk; k++) {
-                bool first = e[k] >= 0 && e[k] < E;
-#pragma unroll
-                for (int k2 = 0; k2 < k; k2++) first = first && e[k2] != e[k];
-                const int s = i * kTopk + k;
-                s_g[s] = first ? static_cast<i32>(e[k]) : -1;
-                s_t[s] = t, s_before[s] = 0, s_total[s] = 0;
-            }
-        }
-        for (int q = tid; q < own; q += kThreads) s_g[S + q] = b + (asked + q) * G, s_t[S + q] = 0, s_before[S + q] = 0, s_total[S + q] = 0;
-        __syncthreads();
-        // A thread a selection: whether its rank may be written (acknowledgements awaited side by side).
-        for (int s = tid; s < S; s += kThreads) s_slot[s] = s_g[s] >= 0 && may_send(p, s_g[s] / L, seq) ? 1 : 0;
-        __syncthreads();
-        PYEP_LL_STAMP(p, PYEP_LL_DS_SETTLED);
-        if (marked)
-            count_marked(s_marks, W, s_g, s_t, S + own, s_before, s_total);
-        else
-            count_selections(p, s_g, s_t, S + own, s_before, s_total);
-        __syncthreads();
-        PYEP_LL_STAMP(p, PYEP_LL_DS_COUNTED);
-        for (int q = tid; q < own; q += kThreads) {
-            const int g = s_g[S + q];
-            if (s_total[S + q] == 0 && may_send(p, g / L, seq)) signal_peer(p, g / L, flag(g), static_cast<u64>(seq) << 32);
-        }
-        asked += own;
-        if (P == 0) {  // block-uniform
-            PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_SLOTS, PYEP_LL_DS_FLAGGED);  // a round with no token writes nothing
-            continue;
-        }
-        for (int s = tid; s < S; s += kThreads) {
-            if (kRemote) s_rslot[s] = 0;
-            if (s_slot[s] != 0) {
-                const int g = s_g[s];
-                const u64 slot = reinterpret_cast<u64>(region(p, g / L) + p.off_recv +
-                                                       ((static_cast<u64>(g % L) * R + p.rank) * p.max_tokens + s_before[s]) * p.msg_bytes);
-                const bool rem = is_remote(p, g / L);
-                s_slot[s] = rem ? 0 : slot;
-                if (rem) s_rslot[s] = slot;
-            }
-        }
-        __syncthreads();
-        if (kRemote) {
-            // A token with remote selections has its message cast once into the send area (in its first such slot).
-            for (int i = tid; i < P; i += kThreads)
-                for (int k = 0; k < kTopk; k++)
-                    if (s_rslot[i * kTopk + k] != 0) {
-                        s_slot[i * kTopk + k] = reinterpret_cast<u64>(staged + static_cast<u64>(u0 + i * G) * p.msg_bytes);
-                        break;
-                    }
-            __syncthreads();
-        }
-        PYEP_LL_STAMP(p, PYEP_LL_DS_SLOTS);
-        // Item it is chunk it % kChunks of the batch's token it / kChunks; warp w takes items w, w + kWarps, ...
-        const int total = P * kChunks;
-        for (int it0 = warp; it0 < total; it0 += kWarps * kCastBatch)
-            put_chunks(p, it0, kWarps, total, [&](int it, i32& tok, int& ch, const u64*& slots) {
-                const int i = it / kChunks;
-                ch = it % kChunks;
-                tok = u0 + i * G;
-                slots = s_slot + i * kTopk;
-            });
-        PYEP_LL_STAMP(p, PYEP_LL_DS_CAST);
-        __syncthreads();  // the block's messages are written
-        PYEP_LL_STAMP(p, PYEP_LL_DS_WRITTEN);
-        PYEP_LL_STAMP(p, PYEP_LL_DS_FENCED);  // in case thread 0 has no selection to count
-        if (kRemote) {
-            for (int s = warp; s < S; s += kWarps)
-                if (s_rslot[s] != 0)  // warp-uniform
-                    put_peer(s_g[s] / L, reinterpret_cast<void*>(s_rslot[s]), staged + static_cast<u64>(s_t[s]) * p.msg_bytes,
-                             p.msg_bytes);
-            __syncthreads();  // every put of the block is issued before any of its counts
-        }
-        for (int s = tid; s < S; s += kThreads) {
-            const int g = s_g[s];
-            if (g < 0) continue;
-            fence_acq_rel_sys();  // the block's messages (ordered before this by the barrier) before the count
-            if (s == tid) PYEP_LL_STAMP(p, PYEP_LL_DS_FENCED);
-            if (atomicAdd(sent + g, 1) + 1 != s_total[s]) continue;
-            // The last of g's selections: every block's messages for g are ordered before this.
-            fence_acq_rel_sys();
-            st_volatile(sent + g, 0);  // for the next call (a later kernel)
-            if (!masked(p, g / L))
-                signal_peer<true>(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[s]));
-        }
-        PYEP_LL_STAMP(p, PYEP_LL_DS_FLAGGED);
-    }
-    if (b >= T && owned == 0) PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_SETTLED, PYEP_LL_DS_FLAGGED);  // a block with nothing to do
-}
-
-// Receive: a unit is a pair (local expert j, source s); its rows follow those of the sources before
-// s. For a batch of pairs, warp 0 waits for the flags (a lane a (pair, source) item), then the
-// block reads every pair's messages as one list of 16-byte vectors (header, row, scales; a thread
-// kRowUnroll in flight) and stores each where it goes: the source token into src_info, the row
-// into recv_x, the scales (four a vector) into their column-major places.
-constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
-constexpr int kScaleVecs = kFP8 ? (kScales + 3) / 4 : 0;                // 16-byte vectors of a message's scales
-constexpr int kMsgVecs = kMsgHeader / 16 + kRowBytes / 16 + kScaleVecs;  // the vectors of a message that are read
-static_assert(kMsgHeader == 16, "a message's header is one vector");
-// Moves the vectors of `rows` messages, kRowUnroll in flight a thread: locate(k, j, row, msg) says
-// that message k (of this block's list) is for local expert j, goes to row `row` of recv_x (of all
-// experts' rows) and is at msg in this rank's receive area.
-template <typename Locate>
-PYEP_DEVICE void move_messages(const LLParams& p, int rows, Locate locate) {
-    const i64 RM = static_cast<i64>(p.num_ranks) * p.max_tokens;
-    const int total = rows * kMsgVecs;
-    for (int q0 = static_cast<int>(threadIdx.x); q0 < total; q0 += kThreads * kRowUnroll) {
-        int4 v[kRowUnroll];
-        i64 row[kRowUnroll];  // the message's row in recv_x (of all experts' rows)
-        int j[kRowUnroll];
-#pragma unroll
-        for (int u = 0; u < kRowUnroll; u++) {
-            const int q = q0 + u * kThreads;
-            if (q >= total) break;
-            const u8* msg;
-            locate(q / kMsgVecs, j[u], row[u], msg);
-            v[u] = ld_ring(reinterpret_cast<const int4*>(msg) + q % kMsgVecs);
-        }
-#pragma unroll
-        for (int u = 0; u < kRowUnroll; u++) {
-            const int q = q0 + u * kThreads;
-            if (q >= total) break;
-            const int w = q % kMsgVecs - 1;  // the vector's place after the header
-            if (w < 0) {
-                st_na(reinterpret_cast<int*>(p.src_info) + row[u], v[u].x);
-            } else if (w < kRowBytes / 16) {
-                st_na(reinterpret_cast<int4*>(reinterpret_cast<u8*>(p.recv_x) + row[u] * kRowBytes) + w, v[u]);
-            } else {
-                // Scales 4c .. 4c + 3 (those < kScales); column-major: column c of expert j at (j * cols + c) * RM.
-                const int c = w - kRowBytes / 16;
-                const u32 f[4] = {static_cast<u32>(v[u].x), static_cast<u32>(v[u].y), static_cast<u32>(v[u].z), static_cast<u32>(v[u].w)};
-                const i64 r = row[u] - static_cast<i64>(j[u]) * RM;
-                if (kUE8M0) {
-                    u32 word = 0;
-#pragma unroll
-                    for (int b = 0; b < 4; b++)
-                        if (4 * c + b < kScales) word |= ((f[b] >> 23) & 0xffu) << (8 * b);
-                    st_na(reinterpret_cast<int*>(p.recv_scales) + (static_cast<i64>(j[u]) * kScaleVecs + c) * RM + r, static_cast<int>(word));
-                } else {
-#pragma unroll
-                    for (int b = 0; b < 4; b++)
-                        if (4 * c + b < kScales)
-                            st_na(reinterpret_cast<int*>(p.recv_scales) + (static_cast<i64>(j[u]) * kScales + 4 * c + b) * RM + r,
-                                  static_cast<int>(f[b]));
-                }
-            }
-        }
-    }
-}
-
-// What the receive records of pair (local expert j, source s) once its count n and its first row
-// begin among j's rows are known: layout_range, and with the last source j's count and statistics.
-PYEP_DEVICE void record_pair(const LLParams& p, int j, int s, i64 begin, i64 n) {
-    reinterpret_cast<i64*>(p.layout_range)[j * p.num_ranks + s] = begin << 32 | n;
-    if (s == p.num_ranks - 1) {
-        reinterpret_cast<i32*>(p.count)[j] = static_cast<i32>(begin + n);
-        if (p.cum_stats != 0) atomicAdd(reinterpret_cast<i32*>(p.cum_stats) + j, static_cast<i32>(begin + n));
-    }
-}
-
-// Source r's count of messages for local expert j, once its flag for this call arrived (0 when r
-// is masked or timed out); charge: whether this thread adds the wait to r's statistics.
-PYEP_DEVICE int source_count(const LLParams& p, int j, int r, u32 seq, bool charge) {
-    if (masked(p, r)) return 0;
-    const u64* f = reinterpret_cast<const u64*>(local(p) + p.off_dflags) + j * p.num_ranks + r;
-    u64 v = 0, spent;
-    const bool ok = thread_wait(p, r, kWaitDispatch, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; }, spent);
-    if (charge && p.wait_stats != 0)
-        atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + r, static_cast<unsigned long long>(spent));
-    const int n = ok ? static_cast<int>(static_cast<u32>(v)) : 0;
-    return n < p.max_tokens ? n : p.max_tokens;
-}
-
-// Receive, rows balanced over the blocks (when a block can hold every pair's count): every block
-// reads the counts of all pairs (local expert j, source s), j-major (a thread a pair; pair c's
-// owner, block c % G, charges the waits and records the pair), takes their prefix sums, and moves
-// an equal share of the rows: its rows [N b / G, N (b + 1) / G) of the N received, kRowsRound a
-// round, each row's pair found by a binary search over the prefix sums. A block's time is then
-// its share, not the pairs it was dealt (whose rows vary with the routing).
-PYEP_DEVICE void dispatch_recv_balanced(const LLParams& p, u32 seq) {
-    PYEP_SHARED(i32, s_first, kPairsShared + 1);  // pair c's first row among all received; [NP] = N
-    PYEP_SHARED(i32, s_warp, kWarps + 1);
-    PYEP_SHARED(i32, s_pair, kRowsRound);  // the pair of each row of the round
-    const int R = p.num_ranks, L = p.num_experts / R, NP = L * R, G = static_cast<int>(gridDim.x);
-    const int tid = static_cast<int>(threadIdx.x), b = static_cast<int>(blockIdx.x);
-    const i64 RM = static_cast<i64>(R) * p.max_tokens;
-    const u8* recv = local(p) + p.off_recv;
-    PYEP_LL_STAMP_START(p, PYEP_LL_DR_START, PYEP_LL_DR_DONE);
-    int carry = 0;
-    for (int c0 = 0; c0 < NP; c0 += kThreads) {  // block-uniform
-        const int c = c0 + tid;
-        const int n = c < NP ? source_count(p, c / R, c % R, seq, c % G == b) : 0;
-        int total;
-        const int before = block_exclusive_sum(n, s_warp, total);
-        if (c < NP) s_first[c] = carry + before;
-        carry += total;
-    }
-    if (tid == 0) s_first[NP] = carry;
-    __syncthreads();
-    PYEP_LL_STAMP(p, PYEP_LL_DR_FLAGS);
-    for (int c = b + tid * G; c < NP; c += kThreads * G) {
-        const int j = c / R;
-        record_pair(p, j, c % R, s_first[c] - s_first[j * R], s_first[c + 1] - s_first[c]);
-    }
-    const int N = carry;
-    const int r0 = static_cast<int>(static_cast<i64>(N) * b / G), r1 = static_cast<int>(static_cast<i64>(N) * (b + 1) / G);
-    for (int k0 = r0; k0 < r1; k0 += kRowsRound) {
-        const int rows = r1 - k0 < kRowsRound ? r1 - k0 : kRowsRound;
-        if (tid < rows) s_pair[tid] = pair_of_row(s_first, NP, k0 + tid);
-        __syncthreads();
-        move_messages(p, rows, [&](int k, int& j, i64& row, const u8*& msg) {
-            const int c = s_pair[k], i = k0 + k - s_first[c];
-            j = c / R;
-            row = j * RM + (s_first[c] - s_first[j * R]) + i;
-            msg = recv + (static_cast<u64>(c) * p.max_tokens + i) * p.msg_bytes;
-        });
-        __syncthreads();  // the round's readers are done with s_pair
-    }
-    PYEP_LL_STAMP(p, PYEP_LL_DR_COPIED);
-}
-
-PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
-    if (p.num_experts <= kPairsShared) {  // L * R pairs
-        dispatch_recv_balanced(p, seq);
-        return;
-    }
-    PYEP_SHARED(i32, s_begin, kBatch);  // pair i's first row in j's rows
-    PYEP_SHARED(i32, s_n, kBatch);      // pair i's rows
-    PYEP_SHARED(i32, s_row, kBatch + 1);
-    const int lane = lane_id(), R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens, G = static_cast<int>(gridDim.x);
-    const int tid = static_cast<int>(threadIdx.x);
-    const i64 RM = static_cast<i64>(R) * M;
-    const u8* recv = local(p) + p.off_recv;
-    PYEP_LL_STAMP_START(p, PYEP_LL_DR_START, PYEP_LL_DR_DONE);
-    for (int u0 = static_cast<int>(blockIdx.x); u0 < L * R; u0 += kBatch * G) {
-        const int P = batch_units(u0, L * R);
-        __syncthreads();  // the previous batch's readers are done with the shared arrays
-        if (tid < P) s_begin[tid] = 0, s_n[tid] = 0;
-        __syncthreads();
-        if (tid < 32) {
-            // Item c: source r's count for pair i; a source's wait is charged to it.
-            for (int c = lane; c < P * R; c += 32) {
-                const int i = c / R, r = c % R, pair = u0 + i * G, s = pair % R;
-                if (r > s) continue;
-                const int n = source_count(p, pair / R, r, seq, r == s);
-                if (r < s) atomicAdd(s_begin + i, n);
-                else s_n[i] = n;
-            }
-            warp0_prefix(s_n, s_row, P, 1);
-        }
-        __syncthreads();
-        PYEP_LL_STAMP(p, PYEP_LL_DR_FLAGS);
-        move_messages(p, s_row[P], [&](int k, int& j, i64& row, const u8*& msg) {
-            const int i = unit_of(s_row, P, k), pair = u0 + i * G;
-            j = pair / R;
-            row = j * RM + s_begin[i] + (k - s_row[i]);
-            msg = recv + ((static_cast<u64>(j) * R + pair % R) * M + (k - s_row[i])) * p.msg_bytes;
-        });
-        if (tid < P) {
-            const int pair = u0 + tid * G;
-            record_pair(p, pair / R, pair % R, s_begin[tid], s_n[tid]);
-        }
-        PYEP_LL_STAMP(p, PYEP_LL_DR_COPIED);
-    }
-}
+#include "low_latency_dispatch.cuh"  // dispatch_send, dispatch_recv
 
 // The GPU loads the kernels by their C++ names, so that profilers show pyep::ll::dispatch and ::combine (DeepEP's
 // test harness finds its kernels by those names); the emulator by their C names.
@@ -827,7 +374,7 @@ PYEP_DEVICE void combine_send_balanced(const LLParams& p, u32 seq) {
     for (int k0 = r0; k0 < r1; k0 += kRowsRound) {
         const int n = r1 - k0 < kRowsRound ? r1 - k0 : kRowsRound;
         if (tid < n) {
-            const int k = k0 + tid, c = pair_of_row(s_cfirst, NP, k), j = c / R, d = c % R;
+            const int k = k0 + tid, c = unit_of(s_cfirst, NP, k), j = c / R, d = c % R;
             const i64 row = j * RM + (range[c] >> 32) + (k - s_cfirst[c]);
             s_src[tid] = reinterpret_cast<u64>(rows + row * kHidden);
             s_dst[tid] = s_dok[d] == 0 ? 0
@@ -842,7 +389,7 @@ PYEP_DEVICE void combine_send_balanced(const LLParams& p, u32 seq) {
     PYEP_LL_STAMP(p, PYEP_LL_CS_COPIED);
     PYEP_LL_STAMP(p, PYEP_LL_CS_WRITTEN);
     // The block's rows of each pair it touched, pairs c_lo, c_lo + 1, ... while they start before r1.
-    const int c_lo = r0 < r1 ? pair_of_row(s_cfirst, NP, r0) : NP;
+    const int c_lo = r0 < r1 ? unit_of(s_cfirst, NP, r0) : NP;
     for (int c = c_lo + tid; c < NP && s_cfirst[c] < r1; c += kThreads) {
         const int lo = s_cfirst[c] > r0 ? s_cfirst[c] : r0, hi = s_cfirst[c + 1] < r1 ? s_cfirst[c + 1] : r1;
         if (hi <= lo) continue;

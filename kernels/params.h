@@ -146,8 +146,9 @@ struct pyep_ll_params {
     pyep_u64 off_dflags;   // u64 [E] of half h: dispatch flags at [j * R + src]
     pyep_u64 off_cflags;   // u64 [E] of half h: combine flags at [src * L + j]
     pyep_u64 off_send;     // half h's send area (zero-copy combine rows)
-    pyep_u64 off_recv;     // half h's recv area
-    pyep_u64 msg_bytes;    // dispatch message
+    pyep_u64 off_recv;     // half h's recv area (a dispatch's message bodies from its start)
+    pyep_u64 off_heads;    // half h's dispatch message headers (past a combine's rows in the recv area)
+    pyep_u64 msg_header;   // a dispatch message header's bytes (low_latency_dispatch.cuh)
     pyep_u64 x, topk_idx, topk_weights;
     pyep_u64 recv_x, recv_scales, src_info, layout_range, count, cum_stats, wait_stats, out;
     pyep_i32 rank, num_ranks, num_experts, max_tokens;
@@ -181,7 +182,8 @@ struct pyep_ll_error {
     X(DS_FENCED, "dispatch send", "fenced")     /* thread 0's first count's fence */            \
     X(DS_FLAGGED, "dispatch send", "flagged")   /* thread 0's counts and flags stored */         \
     X(DR_START, "dispatch recv", "start")                                                        \
-    X(DR_FLAGS, "dispatch recv", "flags")       /* the batch's flags arrived */                 \
+    X(DR_FLAGS, "dispatch recv", "flags")       /* every flag arrived */                         \
+    X(DR_SCANNED, "dispatch recv", "scanned")   /* the messages' headers read (rounds: the last) */ \
     X(DR_COPIED, "dispatch recv", "copied")     /* thread 0's vectors and ranges stored */       \
     X(DR_DONE, "dispatch recv", "done")         /* the receive's end */                         \
     X(CS_START, "combine send", "start")                                                         \
@@ -239,7 +241,7 @@ PYEP_ABI_SIZE(struct pyep_combine_params, 304);
 PYEP_ABI_SIZE(struct pyep_layout_params, 72);
 PYEP_ABI_SIZE(struct pyep_layout_work, 16);
 PYEP_ABI_SIZE(struct pyep_op_error, 64);
-PYEP_ABI_SIZE(struct pyep_ll_params, 248);
+PYEP_ABI_SIZE(struct pyep_ll_params, 256);
 PYEP_ABI_SIZE(struct pyep_ll_error, 32);
 #undef PYEP_ABI_SIZE
 

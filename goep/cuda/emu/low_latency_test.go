@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand"
 	"os"
+	"slices"
 	"testing"
 	"time"
 	"unsafe"
@@ -119,6 +120,14 @@ type llCase struct {
 	// (allow_nvlink_for_low_latency_mode=False).
 	perNode  int
 	noNVLink bool
+	// routing: "" random (a fifth of the choices -1); "packed": a token's choices all experts of
+	// one rank (min(K, L) of them, the rest -1); "dupes": random, and a third of the choices repeat
+	// an earlier one of the token (the reference, which refuses repeats, gets -1 there).
+	routing string
+	// drop: 1 + a rank that every other rank masks (enable_shrink) and that makes no call; 0: none.
+	drop int
+	// clean: clean_low_latency_buffer on every rank after the first round (the calls start again at seq 1).
+	clean bool
 }
 
 func (c llCase) String() string {
@@ -128,6 +137,15 @@ func (c llCase) String() string {
 	}
 	if c.noNVLink {
 		s += "_no_nvlink"
+	}
+	if c.routing != "" {
+		s += "_" + c.routing
+	}
+	if c.drop > 0 {
+		s += fmt.Sprintf("_rank%d_masked", c.drop-1)
+	}
+	if c.clean {
+		s += "_clean"
 	}
 	return s
 }
@@ -141,17 +159,43 @@ func (c llCase) inputs(r, call int) (x []uint16, idx []int64, w []float32) {
 	}
 	idx = make([]int64, T*c.K)
 	w = make([]float32, T*c.K)
+	L := c.E / c.R
 	for t := range T {
 		perm := rng.Perm(c.E)
 		for k := range c.K {
-			idx[t*c.K+k] = int64(perm[k])
-			if rng.Intn(5) == 0 {
-				idx[t*c.K+k] = -1
+			switch {
+			case c.routing == "packed":
+				idx[t*c.K+k] = -1 // below
+			case c.routing == "dupes" && k > 0 && rng.Intn(3) == 0:
+				idx[t*c.K+k] = idx[t*c.K+rng.Intn(k)]
+			default:
+				idx[t*c.K+k] = int64(perm[k])
+				if rng.Intn(5) == 0 {
+					idx[t*c.K+k] = -1
+				}
 			}
 			w[t*c.K+k] = rng.Float32()
 		}
+		if c.routing == "packed" {
+			d := rng.Intn(c.R)
+			for k, j := range rng.Perm(L)[:min(c.K, L)] {
+				idx[t*c.K+k] = int64(d*L + j)
+			}
+		}
 	}
 	return x, idx, w
+}
+
+// once is idx with every repeat of an expert within a token -1: what the kernels send (a token
+// reaches an expert once), and what the reference, which refuses repeats, is given.
+func (c llCase) once(idx []int64) []int64 {
+	out := slices.Clone(idx)
+	for i, g := range out {
+		if g >= 0 && slices.Contains(out[i-i%c.K:i], g) {
+			out[i] = -1
+		}
+	}
+	return out
 }
 
 func TestEmulatedLowLatency(t *testing.T) {
@@ -172,6 +216,28 @@ func TestEmulatedLowLatency(t *testing.T) {
 		// more (expert, source) pairs than a block holds the counts of (4 a thread): the receive
 		// that deals pairs to blocks in batches instead of balancing rows.
 		{R: 2, T: 6, H: 128, K: 3, E: 264, M: 8, fp8: true},
+	} {
+		t.Run(c.String(), func(t *testing.T) { runLL(t, c) })
+	}
+}
+
+// The message format (a message a token and destination rank, expanded by the receiver into a row
+// an entry of its header): tokens that choose many experts of one rank, repeats, a rank that every
+// other masks, headers left by the calls before a clean (whose seq the calls after it reuse), a
+// rank of one expert (the smallest header), and more messages than a block holds the sums of (the
+// receive in rounds).
+func TestEmulatedLowLatencyMessages(t *testing.T) {
+	for _, c := range []llCase{
+		{R: 2, T: 6, H: 256, K: 11, E: 24, M: 8, fp8: true, routing: "packed"},
+		{R: 3, T: 6, H: 256, K: 8, E: 12, M: 8, routing: "packed"},
+		{R: 2, T: 6, H: 384, K: 6, E: 8, M: 8, fp8: true, round: true, ue8m0: true, routing: "dupes"},
+		{R: 3, T: 6, H: 256, K: 4, E: 6, M: 8, fp8: true, drop: 2},
+		{R: 2, T: 6, H: 256, K: 3, E: 8, M: 8, hook: true, clean: true, routing: "packed"},
+		{R: 2, T: 6, H: 128, K: 2, E: 2, M: 8},
+		{R: 2, T: 5, H: 128, K: 3, E: 8, M: 300, routing: "packed"},
+		{R: 4, T: 5, H: 256, K: 6, E: 16, M: 6, fp8: true, perNode: 2, routing: "packed"},
+		{R: 3, T: 6, H: 256, K: 4, E: 6, M: 8, hook: true, noNVLink: true, routing: "dupes"},
+		{R: 2, T: 5, H: 128, K: 3, E: 8, M: 300, perNode: 1, routing: "packed"},
 	} {
 		t.Run(c.String(), func(t *testing.T) { runLL(t, c) })
 	}
@@ -210,8 +276,31 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 	if c.ue8m0 {
 		S = (S + 3) / 4
 	}
+	// The ranks that call: all but c.drop's, which every other rank masks.
+	calling := func(f func(r int) error) []error {
+		return each(c.R, func(r int) error {
+			if r == c.drop-1 {
+				return nil
+			}
+			return f(r)
+		})
+	}
+	if c.drop > 0 {
+		for r := range c.R {
+			if r != c.drop-1 {
+				require.NoError(t, gpu[r].ll.SetMask(c.drop-1, true))
+				require.NoError(t, ref[r].SetMask(c.drop-1, true))
+			}
+		}
+	}
 	// Three rounds of dispatch + combine: calls 1..6, both halves twice and more.
 	for round := range 3 {
+		if c.clean && round == 1 {
+			noErrors(t, calling(func(r int) error { return ref[r].Clean(shape) }))
+			for r := range c.R {
+				require.NoError(t, gpu[r].ll.Clean(shape, false))
+			}
+		}
 		type outs struct {
 			recv, scales, src, rng, cnt []byte
 			out                         []byte
@@ -220,8 +309,9 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 		want := make([]outs, c.R)
 		// Reference.
 		refArgs := make([]*lowlatency.DispatchArgs, c.R)
-		noErrors(t, each(c.R, func(r int) error {
+		noErrors(t, calling(func(r int) error {
 			x, idx, _ := c.inputs(r, round)
+			idx = c.once(idx)
 			a := &lowlatency.DispatchArgs{Shape: shape, NumTokens: len(idx) / c.K, NumTopk: c.K, X: x, TopkIdx: idx,
 				UseFP8: c.fp8, RoundScale: c.round, UseUE8M0: c.ue8m0, RecvX: make([]byte, L*RM*rowBytes),
 				SrcInfo: make([]int32, L*RM), LayoutRange: make([]int64, L*c.R), Count: make([]int32, L)}
@@ -238,7 +328,7 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 		// Emulated GPU.
 		type devArgs struct{ x, idx, w, recv, scales, src, rng, cnt, out dev }
 		da := make([]devArgs, c.R)
-		noErrors(t, each(c.R, func(r int) error {
+		noErrors(t, calling(func(r int) error {
 			g := gpu[r].env
 			x, idx, w := c.inputs(r, round)
 			T := len(idx) / c.K
@@ -262,6 +352,9 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 			return rv.Finish(0)
 		}))
 		for r := range c.R {
+			if r == c.drop-1 {
+				continue
+			}
 			a := refArgs[r]
 			d := da[r]
 			require.Equal(t, i32s(bytesOf(a.Count)), i32s(d.cnt.b), "rank %d round %d: count", r, round)
@@ -286,8 +379,9 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 		}
 		// Combine the dispatched rows (as bf16: for FP8 the recv rows reinterpreted are as good as any data).
 		outRef := make([][]uint16, c.R)
-		noErrors(t, each(c.R, func(r int) error {
+		noErrors(t, calling(func(r int) error {
 			_, idx, w := c.inputs(r, round)
+			idx = c.once(idx)
 			T := len(idx) / c.K
 			rows := make([]uint16, L*RM*c.H)
 			for i := range rows {
@@ -302,16 +396,18 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 			}
 			return rv.Finish()
 		}))
-		noErrors(t, each(c.R, func(r int) error {
+		noErrors(t, calling(func(r int) error {
 			g := gpu[r].env
 			_, idx, _ := c.inputs(r, round)
 			T := len(idx) / c.K
+			// The combine sums a token's choices as the reference does, which has no repeats.
+			cidx := g.upload(t, dlpack.I64, bytesOf(c.once(idx)), int64(T), int64(c.K))
 			rows := make([]uint16, L*RM*c.H)
 			for i := range rows {
 				rows[i] = uint16((i*7 + r*13 + round) % 9000)
 			}
 			x := g.upload(t, dlpack.BF16, bytesOf(rows), int64(len(rows)))
-			call := &goep.LLCall{Shape: shape, NumTokens: T, NumTopk: c.K, X: addr(x), TopkIdx: addr(da[r].idx),
+			call := &goep.LLCall{Shape: shape, NumTokens: T, NumTopk: c.K, X: addr(x), TopkIdx: addr(cidx),
 				TopkWeights: addr(da[r].w), SrcInfo: addr(da[r].src), LayoutRange: addr(da[r].rng), Out: addr(da[r].out), Hook: c.hook}
 			rv, err := gpu[r].ll.Launch(true, call)
 			if err != nil || rv == nil {
@@ -321,6 +417,9 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 		}))
 		for r := range c.R {
 			n := len(outRef[r]) * 2
+			if r == c.drop-1 {
+				continue
+			}
 			if n == 0 {
 				continue // a rank without tokens combines nothing
 			}

@@ -12,13 +12,13 @@ import (
 // The launch parameters cross to the kernels as raw bytes, declared once in kernels/params.h
 // (which asserts their sizes in every compiler that includes it): check the layout cgo gave Go.
 func TestParamLayouts(t *testing.T) {
-	assert.EqualValues(t, 248, unsafe.Sizeof(llParams{}))
-	assert.EqualValues(t, 112, unsafe.Offsetof(llParams{}.x))
-	assert.EqualValues(t, 200, unsafe.Offsetof(llParams{}.rank))
-	assert.EqualValues(t, 228, unsafe.Offsetof(llParams{}.zero_copy))
+	assert.EqualValues(t, 256, unsafe.Sizeof(llParams{}))
+	assert.EqualValues(t, 120, unsafe.Offsetof(llParams{}.x))
+	assert.EqualValues(t, 208, unsafe.Offsetof(llParams{}.rank))
+	assert.EqualValues(t, 236, unsafe.Offsetof(llParams{}.zero_copy))
 	assert.EqualValues(t, 48, unsafe.Offsetof(llParams{}.expert_sent))
-	assert.EqualValues(t, 232, unsafe.Offsetof(llParams{}.timeline))
-	assert.EqualValues(t, 240, unsafe.Offsetof(llParams{}.pending))
+	assert.EqualValues(t, 240, unsafe.Offsetof(llParams{}.timeline))
+	assert.EqualValues(t, 248, unsafe.Offsetof(llParams{}.pending))
 	assert.EqualValues(t, 32, unsafe.Sizeof(llError{}))
 	assert.EqualValues(t, 16, unsafe.Offsetof(llError{}.waited_ns))
 }

@@ -258,6 +258,10 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 	if err != nil {
 		return nil, err
 	}
+	msg, err := newMsgFormat(l, c.UseFP8 && !combine)
+	if err != nil {
+		return nil, err
+	}
 	exit, err := e.b.Enter()
 	defer exit()
 	if err != nil {
@@ -308,7 +312,7 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 	*p = llParams{peers: u64(e.peersDev), remote: remoteTable, err: u64(e.errDev), timeout_ns: u64(e.timeout.Nanoseconds()),
 		calls: u64(e.localDev), counter: u64(e.localDev) + 16, expert_sent: u64(e.localDev) + llSentOff, off_ack: u64(l.Ack(0, 0)), off_mask: u64(l.Mask(0)),
 		off_dflags: u64(l.DispatchFlags(h)), off_cflags: u64(l.CombineFlags(h)), off_send: u64(l.Send(h)),
-		off_recv: u64(l.Recv(h)), msg_bytes: u64(l.DispatchMsgBytes),
+		off_recv: u64(l.Recv(h)), off_heads: u64(l.Recv(h) + msg.Heads), msg_header: u64(msg.Header),
 		x: u64(c.X), topk_idx: u64(c.TopkIdx), topk_weights: u64(c.TopkWeights),
 		recv_x: u64(c.RecvX), recv_scales: u64(c.RecvScales), src_info: u64(c.SrcInfo),
 		layout_range: u64(c.LayoutRange), count: u64(c.Count), cum_stats: u64(c.CumStats),
@@ -384,15 +388,23 @@ func (r *Recv) Finish(stream uintptr) error {
 	return e.launch(r.f, e.b.WrapStream(stream), e.params, r.opts)
 }
 
-// Clean zeroes this rank's flags, acknowledgements and call counters, and with masks its masks
+// Clean zeroes this rank's flags, acknowledgements, dispatch message headers and call counters, and with masks its masks
 // too (the callers pass a barrier before and after), and forgets the recorded failure.
 func (e *Engine) Clean(s lowlatency.Shape, masks bool) error {
 	l, err := e.layout(s)
 	if err != nil {
 		return err
 	}
+	msg, err := newMsgFormat(l, false)
+	if err != nil {
+		return err
+	}
 	return e.idle(func() error {
 		zero := [][2]int64{{l.Ack(0, 0), 16 * int64(e.n)}, {l.DispatchFlags(0), 2 * l.FlagBytes}, {l.DispatchFlags(1), 2 * l.FlagBytes}}
+		// The dispatch headers too: the calls start again at seq 1, which a header of before could hold.
+		for h := range 2 {
+			zero = append(zero, [2]int64{l.Recv(h) + msg.Heads, int64(e.n*l.MaxTokens) * msg.Header})
+		}
 		if masks {
 			zero = append(zero, [2]int64{l.Mask(0), 4 * int64(e.n)})
 		}
