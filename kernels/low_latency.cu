@@ -18,9 +18,8 @@
 //   - A receiver waits for flag == seq of every unmasked source and reads the rows. The last block
 //     to start the receive (every block has read calls[h] by then) sets calls[h] = seq and
 //     pending[h] = seq; the next kernel on this rank (any call's, the kernel boundary orders every
-//     read of the receive before it) writes ack[h][me] = seq into every unmasked peer's header.
-//     A call on h is never the next kernel after the receive of the one before on h: the other
-//     half's call comes between. Nothing is ever zeroed between calls.
+//     read of the receive before it) writes ack[h][me] = seq into every unmasked peer's header
+//     as it starts, before it waits for anything. Nothing is ever zeroed between calls.
 // phases: bit 0 the send half, bit 1 the receive half (return_recv_hook launches them apart).
 //
 // pyep:defines PYEP_LL_DISPATCH PYEP_LL_HIDDEN=7168 PYEP_LL_TOPK=8 PYEP_LL_FP8=1 PYEP_LL_ROUND=0 PYEP_LL_UE8M0=0
