@@ -20,12 +20,17 @@ import (
 //	Half h = 0, 1 (at HeaderBytes + h*HalfBytes), one per call in turn
 //	  dispatch flags [E]uint64   at [j*R + src] (j: this rank's local expert): seq<<32 | tokens
 //	                             that src wrote for j, stored after those tokens
-//	  combine flags  [E]uint64   at [src*L + j] (the sender's global expert): seq<<32 | 1,
-//	                             stored after every row of that expert
+//	  combine flags  [E]uint64   at [src] (the first R words): seq<<32 | 1, stored after every
+//	                             row that src sends this rank for the call
 //	  send [SendBytes]      this rank's own staging: dispatch messages [M], or the rows
 //	                        [L][R*M][H] bf16 that a zero-copy combine sends
 //	  recv [RecvBytes]      dispatch: messages [L][R][M] ([local expert][source rank][slot]);
-//	                        combine: rows [E][M] ([sender's global expert][token]) of H bf16
+//	                        combine: rows [R][M] ([sender][token]) of H bf16, each the sender's
+//	                        term of the token (see Combine)
+//	  push [PushBytes]      combine: flags [R]uint64 at [src]: seq<<32 | tokens of src, stored
+//	                        after src's selections [R][M][MaxTopk]uint64 at [src][t][k]: the
+//	                        int32 expert (-1: none, or k >= src's top-k) in the low word, the
+//	                        float32 weight's bits in the high word
 //
 // A dispatch message is DispatchMsgBytes: int32 source token index, 3 int32 reserved, then the
 // token (H bytes of FP8 and H/128 float32 scales, or 2H bytes of BF16).
@@ -66,6 +71,7 @@ type Layout struct {
 	NumRanks, NumLocalExperts          int
 	DispatchMsgBytes, CombineMsgBytes  int64
 	FlagBytes, SendBytes, RecvBytes    int64
+	PushBytes                          int64
 	HalfBytes, TotalBytes              int64
 	syncOff, ackOff, maskOff, halfBase int64
 }
@@ -91,7 +97,8 @@ func NewLayout(numRanks int, s Shape) (Layout, error) {
 	l.FlagBytes = alignUp(8 * E)
 	l.SendBytes = alignUp(max(M*l.DispatchMsgBytes, E*M*l.CombineMsgBytes))
 	l.RecvBytes = alignUp(E * M * max(l.DispatchMsgBytes, l.CombineMsgBytes))
-	l.HalfBytes = 2*l.FlagBytes + l.SendBytes + l.RecvBytes
+	l.PushBytes = alignUp(8*R) + alignUp(8*R*M*MaxTopk)
+	l.HalfBytes = 2*l.FlagBytes + l.SendBytes + l.RecvBytes + l.PushBytes
 	l.syncOff, l.ackOff, l.maskOff = 0, alignUp(8*R), alignUp(8*R)+alignUp(16*R)
 	l.halfBase = HeaderBytes(numRanks)
 	l.TotalBytes = l.halfBase + 2*l.HalfBytes
@@ -124,15 +131,22 @@ func (l Layout) DispatchFlags(h int) int64 { return l.half(h) }
 func (l Layout) CombineFlags(h int) int64  { return l.half(h) + l.FlagBytes }
 func (l Layout) Send(h int) int64          { return l.half(h) + 2*l.FlagBytes }
 func (l Layout) Recv(h int) int64          { return l.Send(h) + l.SendBytes }
+func (l Layout) Push(h int) int64          { return l.Recv(h) + l.RecvBytes }
+
+// PushFlag is the offset of src's push flag in half h; PushEntry of src's selection k of token t.
+func (l Layout) PushFlag(h, src int) int64 { return l.Push(h) + 8*int64(src) }
+func (l Layout) PushEntry(h, src, t, k int) int64 {
+	return l.Push(h) + alignUp(8*int64(l.NumRanks)) + 8*((int64(src)*int64(l.MaxTokens)+int64(t))*MaxTopk+int64(k))
+}
 
 // DispatchSlot is the offset of slot i of (local expert j, source src) in half h's recv area.
 func (l Layout) DispatchSlot(h, j, src, i int) int64 {
 	return l.Recv(h) + (int64(j*l.NumRanks+src)*int64(l.MaxTokens)+int64(i))*l.DispatchMsgBytes
 }
 
-// CombineSlot is the offset of token t's row from global expert g in half h's recv area.
-func (l Layout) CombineSlot(h, g, t int) int64 {
-	return l.Recv(h) + (int64(g)*int64(l.MaxTokens)+int64(t))*l.CombineMsgBytes
+// CombineSlot is the offset of token t's row from rank src in half h's recv area.
+func (l Layout) CombineSlot(h, src, t int) int64 {
+	return l.Recv(h) + (int64(src)*int64(l.MaxTokens)+int64(t))*l.CombineMsgBytes
 }
 
 func at(base unsafe.Pointer, off int64) unsafe.Pointer { return unsafe.Add(base, off) }
