@@ -18,6 +18,12 @@
 // allocation, clean_low_latency_buffer). Their size depends on L only (room for min(11, L)
 // entries), so a call with another top-k or dtype finds the headers where the last call left them.
 
+// The balanced receive holds every pair's prefix sum in a block (when the pairs fit) and moves an
+// equal share of rows, kRowsRound located at once, kRowUnroll vectors in flight a thread.
+constexpr int kPairsShared = 4 * kThreads;  // pairs a block holds the prefix sums of
+constexpr int kRowsRound = 64;               // rows a block locates at once
+constexpr int kRowUnroll = 4;
+
 constexpr bool kFP8 = PYEP_LL_FP8 != 0;
 constexpr bool kRound = PYEP_LL_ROUND != 0;
 constexpr bool kUE8M0 = PYEP_LL_UE8M0 != 0;

@@ -140,11 +140,11 @@ struct pyep_ll_params {
     pyep_u64 calls;        // u64 [2]: calls received per half (this rank's engine memory)
     pyep_u64 counter;      // i32: blocks that started the receive (the last resets it; likewise)
     pyep_u64 expert_sent;  // i32 [num_experts]: the send's counters (the last count resets each): a dispatch's
-                           // selections written per expert, a combine's rows written per (local expert, destination)
+                           // selections written per expert; a combine's blocks done, in [0]
     pyep_u64 off_ack;      // u64 [2][R]: ack[h][p], written by p
     pyep_u64 off_mask;     // i32 [R]: 1 where a rank is masked (local)
     pyep_u64 off_dflags;   // u64 [E] of half h: dispatch flags at [j * R + src]
-    pyep_u64 off_cflags;   // u64 [E] of half h: combine flags at [src * L + j]
+    pyep_u64 off_cflags;   // u64 [E] of half h: combine flags at [src] (the first R)
     pyep_u64 off_send;     // half h's send area (zero-copy combine rows)
     pyep_u64 off_recv;     // half h's recv area (a dispatch's message bodies from its start)
     pyep_u64 off_heads;    // half h's dispatch message headers (past a combine's rows in the recv area)
@@ -156,6 +156,8 @@ struct pyep_ll_params {
     pyep_u64 timeline;  // u64 [blocks][PYEP_LL_STAMPS], host-mapped: a PYEP_LL_TIMELINE build's stamps (else 0, unread)
     pyep_u64 pending;   // u32 [2] (this rank's engine memory): per half, the seq of a call received here whose
                         // acknowledgements the next kernel sends (0: none)
+    pyep_u64 off_push;  // half h's push area: the combine's flags [R] (seq << 32 | tokens), then from the next 128
+                        // bytes its selections [R][M][11] (int32 expert, float32 weight)
 };
 
 // The first failed wait of a low-latency call, in host-mapped memory.
@@ -241,7 +243,7 @@ PYEP_ABI_SIZE(struct pyep_combine_params, 304);
 PYEP_ABI_SIZE(struct pyep_layout_params, 72);
 PYEP_ABI_SIZE(struct pyep_layout_work, 16);
 PYEP_ABI_SIZE(struct pyep_op_error, 64);
-PYEP_ABI_SIZE(struct pyep_ll_params, 256);
+PYEP_ABI_SIZE(struct pyep_ll_params, 264);
 PYEP_ABI_SIZE(struct pyep_ll_error, 32);
 #undef PYEP_ABI_SIZE
 

@@ -12,7 +12,7 @@ import (
 // The launch parameters cross to the kernels as raw bytes, declared once in kernels/params.h
 // (which asserts their sizes in every compiler that includes it): check the layout cgo gave Go.
 func TestParamLayouts(t *testing.T) {
-	assert.EqualValues(t, 256, unsafe.Sizeof(llParams{}))
+	assert.EqualValues(t, 264, unsafe.Sizeof(llParams{}))
 	assert.EqualValues(t, 120, unsafe.Offsetof(llParams{}.x))
 	assert.EqualValues(t, 208, unsafe.Offsetof(llParams{}.rank))
 	assert.EqualValues(t, 236, unsafe.Offsetof(llParams{}.zero_copy))

@@ -37,8 +37,8 @@ const (
 	llPhaseRecv = 2
 	// llLocalBytes: calls [2]u64, then the receive's block counter (i32), from llPendingOff the
 	// calls received but not yet acknowledged ([2]u32, a half each), then from llSentOff the
-	// dispatch send's counters, an i32 per expert (llMaxExperts), then the combine send's, an i32
-	// per (local expert, destination) pair, as many. Zero at the start and after clean; a kernel
+	// dispatch send's counters, an i32 per expert (llMaxExperts), then the combine send's (its
+	// blocks done, in the first; the room of as many). Zero at the start and after clean; a kernel
 	// leaves them zero. A kernel finds its own as p.expert_sent.
 	llPendingOff     = 24
 	llSentOff        = 32
@@ -239,7 +239,8 @@ func (e *Engine) failure() error {
 	if rec.code == 0 {
 		return nil
 	}
-	what := map[int32]string{1: "its acknowledgement of the previous call", 2: "its dispatch rows", 3: "its combine rows"}[int32(rec.what)]
+	what := map[int32]string{1: "its acknowledgement of the previous call", 2: "its dispatch rows", 3: "its combine rows",
+		4: "its combine's top-k selections"}[int32(rec.what)]
 	e.dead = fmt.Errorf("pyep: rank %d timed out after %.1f s waiting for rank %d (%s); rank %d is masked on this rank: "+
 		"with enable_shrink, calls go on without it; otherwise call clean_low_latency_buffer on every rank", e.rank,
 		float64(rec.waited_ns)/1e9, int32(rec.peer), what, int32(rec.peer))
@@ -261,6 +262,11 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 	msg, err := newMsgFormat(l, c.UseFP8 && !combine)
 	if err != nil {
 		return nil, err
+	}
+	if combine && e.remote && l.NumLocalExperts < 2 {
+		// The rows for peers on other nodes are staged in this rank's receive area past its R*M combine slots.
+		return nil, goep.NotAvailablef("low_latency_combine across nodes: num_experts = %d over %d ranks: the cuda backend "+
+			"needs at least 2 experts a rank there", l.NumExperts, e.n)
 	}
 	exit, err := e.b.Enter()
 	defer exit()
@@ -320,6 +326,7 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 		rank: i32(e.rank), num_ranks: i32(e.n), num_experts: i32(c.Shape.NumExperts),
 		max_tokens: i32(c.Shape.MaxTokens), num_tokens: i32(c.NumTokens), half: i32(h), phases: llPhaseSend | llPhaseRecv}
 	p.pending = u64(e.localDev) + llPendingOff
+	p.off_push = u64(l.Push(h))
 	if combine {
 		p.expert_sent = u64(e.localDev) + llCombineSentOff
 	}
@@ -388,7 +395,7 @@ func (r *Recv) Finish(stream uintptr) error {
 	return e.launch(r.f, e.b.WrapStream(stream), e.params, r.opts)
 }
 
-// Clean zeroes this rank's flags, acknowledgements, dispatch message headers and call counters, and with masks its masks
+// Clean zeroes this rank's flags, acknowledgements, dispatch message headers, push flags and call counters, and with masks its masks
 // too (the callers pass a barrier before and after), and forgets the recorded failure.
 func (e *Engine) Clean(s lowlatency.Shape, masks bool) error {
 	l, err := e.layout(s)
@@ -401,9 +408,10 @@ func (e *Engine) Clean(s lowlatency.Shape, masks bool) error {
 	}
 	return e.idle(func() error {
 		zero := [][2]int64{{l.Ack(0, 0), 16 * int64(e.n)}, {l.DispatchFlags(0), 2 * l.FlagBytes}, {l.DispatchFlags(1), 2 * l.FlagBytes}}
-		// The dispatch headers too: the calls start again at seq 1, which a header of before could hold.
+		// The dispatch headers and the combine's push flags too: the calls start again at seq 1, which a header or
+		// flag of before could hold.
 		for h := range 2 {
-			zero = append(zero, [2]int64{l.Recv(h) + msg.Heads, int64(e.n*l.MaxTokens) * msg.Header})
+			zero = append(zero, [2]int64{l.Recv(h) + msg.Heads, int64(e.n*l.MaxTokens) * msg.Header}, [2]int64{l.PushFlag(h, 0), 8 * int64(e.n)})
 		}
 		if masks {
 			zero = append(zero, [2]int64{l.Mask(0), 4 * int64(e.n)})

@@ -1,0 +1,304 @@
+// low_latency_combine.cuh: the send and receive phases of the low-latency combine (DeepEP's
+// low_latency_combine). low_latency.cu includes it inside namespace pyep, after the helpers the
+// phases share with the dispatch (waits, flags, the work split), and defines the kernel.
+//
+// The combine goes "by rank": a token's rows cross to its rank once per expert rank, not once per
+// expert. Token t of rank s that selected experts of rank r (its selections S_r, in k order) gets
+// one row from r, r's term of t:
+//   - one selection (k): the expert's row as it is; s multiplies it by w_k when it sums;
+//   - two or more: r's partial sum, sum over k in S_r of w_k * row_k in float32 (a product
+//     rounded, then an add, as the reference), rounded once to bf16.
+// s adds the terms in float32, in the order of each rank's first selection, and rounds the sum to
+// bf16 (goep/lowlatency's reference, the same bit for bit). The weights are s's, given to the
+// combine: so the send first pushes every rank's selections (expert and weight, MaxTopk a token)
+// to every peer, into the push area of the call's half ([src][t][k] after a flag a source:
+// seq << 32 | tokens), and a rank reduces the tokens of a source once its push arrived.
+//
+// Send. Message i = t * R + s is the row that this rank owes token t of rank s (none when t
+// selected no expert here); block b takes messages [R M b / G, R M (b + 1) / G), this rank's own
+// first, kMsgRound at once:
+// a thread a message reads its selections (this rank's own from topk_idx, a peer's from the push
+// area once its flag arrived), a thread a selection finds its row among pair (j, s)'s (a binary
+// search of the token: the dispatch receive keeps each pair's rows in token order), then the warps
+// copy or reduce the messages a chunk at a time into slot (this rank, t) of s's receive area
+// (rows [R][M] of 2H). A peer on another node gets its rows staged in this rank's own receive area
+// (past the R M slots) and put from there. The blocks count themselves done (the combine's counter,
+// p.expert_sent[0]); the last stores every peer's flag (word [this rank] of its combine flags).
+// Receive: every block waits for every unmasked rank's flag, then a warp an item (a token and
+// kCombineGroup chunks) sums the token's terms.
+
+constexpr int kPushTopk = 11;  // selections a token has in the push area (goep/lowlatency's MaxTopk)
+constexpr int kMsgRound = 32;  // messages a block locates at once
+static_assert(kTopk <= kPushTopk && kMsgRound * kPushTopk <= kThreads, "a thread a selection of a round");
+
+PYEP_DEVICE u64 push_entries(const LLParams& p) { return p.off_push + (8 * static_cast<u64>(p.num_ranks) + 127) / 128 * 128; }
+
+// Pushes this rank's selections to peer d (the caller's block, every thread): T tokens of
+// kPushTopk entries (expert in the low word, -1 past the top-k, the weight's bits in the high),
+// then d's push flag. A remote d gets them put from this rank's own entries [rank], which no peer
+// writes.
+PYEP_DEVICE void push_selections(const LLParams& p, int d, u32 seq) {
+    const int T = p.num_tokens, tid = static_cast<int>(threadIdx.x);
+    const u64 at = push_entries(p) + static_cast<u64>(p.rank) * p.max_tokens * kPushTopk * 8;
+    const bool rem = is_remote(p, d);
+    int2* dst = reinterpret_cast<int2*>((rem ? local(p) : region(p, d)) + at);
+    const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
+    const float* wts = reinterpret_cast<const float*>(p.topk_weights);
+    for (int i = tid; i < T * kPushTopk; i += kThreads) {
+        const int t = i / kPushTopk, k = i % kPushTopk;
+        int2 v;
+        v.x = k < kTopk ? static_cast<int>(ld_nc(idx + static_cast<i64>(t) * kTopk + k)) : -1;
+        v.y = k < kTopk ? static_cast<int>(__float_as_uint(ld_nc(wts + static_cast<i64>(t) * kTopk + k))) : 0;
+        st_na(dst + i, v);
+    }
+    __syncthreads();
+    if (rem && T > 0 && tid < 32) put_peer(d, region(p, d) + at, dst, static_cast<u64>(T) * kPushTopk * 8);
+    if (tid == 0) {
+        if (!rem) fence_acq_rel_sys();  // the block's entries (ordered before this by the barrier)
+        signal_peer<true>(p, d, reinterpret_cast<u64*>(region(p, d) + p.off_push) + p.rank, static_cast<u64>(seq) << 32 | static_cast<u32>(T));
+    }
+}
+
+// The place of token t among pair (j, s)'s rows of x (in token order), or -1.
+PYEP_DEVICE i64 find_row(const LLParams& p, int j, int s, int t) {
+    const i64 RM = static_cast<i64>(p.num_ranks) * p.max_tokens;
+    const i64 v = ld_nc(reinterpret_cast<const i64*>(p.layout_range) + static_cast<i64>(j) * p.num_ranks + s);
+    const i64 first = j * RM + (v >> 32);
+    int lo = 0, hi = static_cast<int>(v & 0xffffffff);
+    hi = hi < p.max_tokens ? hi : p.max_tokens;
+    const i32* tok = reinterpret_cast<const i32*>(p.src_info) + first;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (ld_nc(tok + mid) < t) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < static_cast<int>(v & 0xffffffff) && lo < p.max_tokens && ld_nc(tok + lo) == t ? first + lo : -1;
+}
+
+// Writes chunk c (8 channels a lane) of a message's row to out: the one row as it is, or the
+// weighted sum of n rows (rows[e], -1: none; weights w[e]) rounded to bf16.
+PYEP_DEVICE void reduce_chunk(const u16* x, int n, const i64* rows, const float* w, int c, int4* out) {
+    if (n == 1) {
+        st_na(out, rows[0] >= 0 ? ld_nc(reinterpret_cast<const int4*>(x + rows[0] * kHidden + c)) : vec_zero<int4>());
+        return;
+    }
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    constexpr int kInFlight = 4;
+    for (int e0 = 0; e0 < n; e0 += kInFlight) {
+        int4 v[kInFlight];
+#pragma unroll
+        for (int u = 0; u < kInFlight; u++)
+            if (e0 + u < n && rows[e0 + u] >= 0) v[u] = ld_nc(reinterpret_cast<const int4*>(x + rows[e0 + u] * kHidden + c));
+#pragma unroll
+        for (int u = 0; u < kInFlight; u++) {
+            if (e0 + u >= n || rows[e0 + u] < 0) continue;
+            const u32 words[4] = {static_cast<u32>(v[u].x), static_cast<u32>(v[u].y), static_cast<u32>(v[u].z), static_cast<u32>(v[u].w)};
+#pragma unroll
+            for (int h = 0; h < 4; h++) {
+                acc[2 * h] += mul_rn(bf16_to_float(static_cast<u16>(words[h] & 0xffffu)), w[e0 + u]);
+                acc[2 * h + 1] += mul_rn(bf16_to_float(static_cast<u16>(words[h] >> 16)), w[e0 + u]);
+            }
+        }
+    }
+    int4 o;
+    o.x = static_cast<int>(static_cast<u32>(float_to_bf16(acc[0])) | static_cast<u32>(float_to_bf16(acc[1])) << 16);
+    o.y = static_cast<int>(static_cast<u32>(float_to_bf16(acc[2])) | static_cast<u32>(float_to_bf16(acc[3])) << 16);
+    o.z = static_cast<int>(static_cast<u32>(float_to_bf16(acc[4])) | static_cast<u32>(float_to_bf16(acc[5])) << 16);
+    o.w = static_cast<int>(static_cast<u32>(float_to_bf16(acc[6])) | static_cast<u32>(float_to_bf16(acc[7])) << 16);
+    st_na(out, o);
+}
+
+PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
+    PYEP_SHARED(i32, s_dok, kThreads);                  // whether rank d may be written (d < kThreads)
+    PYEP_SHARED(i32, s_n, kMsgRound);                   // the round's message m: its selections here (0: no row),
+    PYEP_SHARED(u64, s_dst, kMsgRound);                 // where its row goes (this rank's stage for a remote rank),
+    PYEP_SHARED(i32, s_j, kMsgRound * kPushTopk);       // and its selections' local experts,
+    PYEP_SHARED(float, s_w, kMsgRound * kPushTopk);     // weights,
+    PYEP_SHARED(i64, s_row, kMsgRound * kPushTopk);     // and rows of x (-1: none)
+    PYEP_SHARED(i32, s_last, 1);
+    const int R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens, G = static_cast<int>(gridDim.x), me = p.rank;
+    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = lane_id(), b = static_cast<int>(blockIdx.x);
+    const u16* x = p.zero_copy ? reinterpret_cast<const u16*>(local(p) + p.off_send) : reinterpret_cast<const u16*>(p.x);
+    const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
+    const float* wts = reinterpret_cast<const float*>(p.topk_weights);
+    auto dest_ok = [&](int d) { return d < kThreads ? s_dok[d] != 0 : may_send(p, d, seq); };
+    PYEP_LL_STAMP_START(p, PYEP_LL_CS_START, PYEP_LL_CS_FLAGGED);
+    for (int d = tid; d < R && d < kThreads; d += kThreads) s_dok[d] = may_send(p, d, seq) ? 1 : 0;
+    __syncthreads();
+    for (int d = b; d < R; d += G)  // block-uniform
+        if (d != me && dest_ok(d)) push_selections(p, d, seq);
+    PYEP_LL_STAMP(p, PYEP_LL_CS_ADMITTED);
+    const int NM = R * M, i0 = static_cast<int>(static_cast<i64>(NM) * b / G), i1 = static_cast<int>(static_cast<i64>(NM) * (b + 1) / G);
+    // The block's messages, this rank's own first (they need no push: their rounds run while the peers' pushes travel).
+    const int o0 = ((me - i0) % R + R) % R, own = i1 - i0 > o0 ? (i1 - i0 - o0 + R - 1) / R : 0;
+    auto message = [&](int q) {
+        if (q < own) return i0 + o0 + q * R;
+        const int k = q - own, a = R > 1 ? k / (R - 1) : 0, r = R > 1 ? k % (R - 1) : 0;
+        return i0 + a * R + r + (r >= o0 ? 1 : 0);
+    };
+    for (int a = 0; a < i1 - i0; a += kMsgRound) {
+        const int n = i1 - i0 - a < kMsgRound ? i1 - i0 - a : kMsgRound;
+        __syncthreads();  // the previous round's readers are done with the shared arrays
+        if (tid < n) {
+            const int i = message(a + tid), t = i / R, s = i % R;
+            int cnt = 0;
+            u64 dst = 0;
+            if (dest_ok(s)) {
+                int Ts = p.num_tokens;
+                if (s != me) {
+                    const u64* f = reinterpret_cast<const u64*>(local(p) + p.off_push) + s;
+                    u64 v = 0, spent;
+                    Ts = thread_wait(p, s, kWaitPush, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; }, spent)
+                             ? static_cast<int>(static_cast<u32>(v))
+                             : 0;
+                }
+                const int2* pushed = reinterpret_cast<const int2*>(local(p) + push_entries(p)) + (static_cast<i64>(s) * M + t) * kPushTopk;
+                for (int k = 0; t < Ts && k < (s == me ? kTopk : kPushTopk); k++) {
+                    i64 g;
+                    float w;
+                    if (s == me) {
+                        g = ld_nc(idx + static_cast<i64>(t) * kTopk + k), w = ld_nc(wts + static_cast<i64>(t) * kTopk + k);
+                    } else {
+                        const i64 e = ld_ring(reinterpret_cast<const i64*>(pushed + k));
+                        g = static_cast<i32>(static_cast<u32>(e)), w = __int_as_float(static_cast<int>(e >> 32));
+                    }
+                    if (g < 0 || g >= p.num_experts || g / L != me) continue;
+                    s_j[tid * kPushTopk + cnt] = static_cast<i32>(g - static_cast<i64>(me) * L);
+                    s_w[tid * kPushTopk + cnt] = w;
+                    cnt++;
+                }
+                const u64 slot = static_cast<u64>(is_remote(p, s) ? NM + s * M + t : me * M + t) * (2 * kHidden);
+                if (cnt > 0) dst = reinterpret_cast<u64>((is_remote(p, s) ? local(p) : region(p, s)) + p.off_recv + slot);
+            }
+            s_n[tid] = cnt, s_dst[tid] = dst;
+        }
+        __syncthreads();
+        for (int q = tid; q < n * kPushTopk; q += kThreads) {
+            const int m = q / kPushTopk;
+            if (q % kPushTopk < s_n[m]) s_row[q] = find_row(p, s_j[q], message(a + m) % R, message(a + m) / R);
+        }
+        __syncthreads();
+        for (int it = warp; it < n * kChunks; it += kWarps) {
+            const int m = it / kChunks, c = (it % kChunks) * kChunk + lane * 8;
+            if (s_n[m] == 0 || s_dst[m] == 0 || c >= kHidden) continue;
+            reduce_chunk(x, s_n[m], s_row + m * kPushTopk, s_w + m * kPushTopk, c, reinterpret_cast<int4*>(s_dst[m]) + c / 8);
+        }
+        if (kRemote) {
+            __syncthreads();  // the round's staged rows are written
+            for (int m = warp; m < n; m += kWarps) {
+                const int t = message(a + m) / R, s = message(a + m) % R;
+                if (s_dst[m] != 0 && is_remote(p, s))
+                    put_peer(s, region(p, s) + p.off_recv + static_cast<u64>(me * M + t) * (2 * kHidden), reinterpret_cast<const void*>(s_dst[m]),
+                             2 * kHidden);
+            }
+        }
+    }
+    PYEP_LL_STAMP(p, PYEP_LL_CS_COPIED);
+    __syncthreads();  // the block's rows are written (and its puts issued)
+    PYEP_LL_STAMP(p, PYEP_LL_CS_WRITTEN);
+    i32* counter = reinterpret_cast<i32*>(p.expert_sent);
+    if (tid == 0) {
+        fence_acq_rel_sys();  // the block's rows before its count
+        const bool last = atomicAdd(counter, 1) == G - 1;
+        if (last) {
+            fence_acq_rel_sys();  // every block's rows before the flags
+            st_volatile(counter, 0);  // for the next call (a later kernel)
+        }
+        s_last[0] = last ? 1 : 0;
+    }
+    __syncthreads();
+    if (s_last[0] != 0)
+        for (int s = tid; s < R; s += kThreads)
+            if (dest_ok(s) && !masked(p, s))
+                signal_peer(p, s, reinterpret_cast<u64*>(region(p, s) + p.off_cflags) + me, static_cast<u64>(seq) << 32 | 1u);
+    PYEP_LL_STAMP(p, PYEP_LL_CS_FLAGGED);
+}
+
+// Receive: every block waits for every unmasked rank's flag (a thread each); the threads that
+// waited acquired the rows, and the barrier orders the block's reads after them. Then each warp
+// of the grid takes (token, kCombineGroup chunks) items and adds each chunk's terms, a rank's at
+// its first selection.
+constexpr int kCombineGroup = 2;  // chunks an item sums: a token's indices and weights are loaded once for them
+constexpr int kGroups = (kChunks + kCombineGroup - 1) / kCombineGroup;
+constexpr int kMaskCache = 64;  // ranks whose mask the block keeps in shared memory
+PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
+    PYEP_SHARED(i32, s_mask, kMaskCache);
+    const int lane = lane_id(), R = p.num_ranks, E = p.num_experts, L = E / R, M = p.max_tokens;
+    const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_cflags);
+    PYEP_LL_STAMP_START(p, PYEP_LL_CR_START, PYEP_LL_CR_DONE);
+    for (int s = static_cast<int>(threadIdx.x); s < R; s += kThreads) {
+        if (masked(p, s)) continue;
+        u64 spent;
+        thread_wait(p, s, kWaitCombine, [&] { return static_cast<u32>(ld_acquire_sys(flags + s) >> 32) == seq; }, spent);
+        if (blockIdx.x == 0 && p.wait_stats != 0)
+            atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + s, static_cast<unsigned long long>(spent));
+    }
+    __syncthreads();  // every wait is over: the masks are final for the call
+    PYEP_LL_STAMP(p, PYEP_LL_CR_FLAGS);
+    for (int r = static_cast<int>(threadIdx.x); r < R && r < kMaskCache; r += kThreads) s_mask[r] = masked(p, r) ? 1 : 0;
+    __syncthreads();
+    const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
+    const float* wts = reinterpret_cast<const float*>(p.topk_weights);
+    const u8* slots = local(p) + p.off_recv;
+    const int nw = static_cast<int>(gridDim.x) * kWarps;
+    for (int it = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32; it < p.num_tokens * kGroups;
+         it += nw) {
+        const int t = it / kGroups, c0 = (it % kGroups) * kCombineGroup * kChunk + lane * 8;
+        int rk[kTopk];  // selection k's rank, or -1 (none, or masked)
+        float w[kTopk];
+#pragma unroll
+        for (int k = 0; k < kTopk; k++) {
+            const i64 g = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
+            const int s = g >= 0 && g < E ? static_cast<int>(g / L) : -1;
+            rk[k] = s >= 0 && (s < kMaskCache ? s_mask[s] : (masked(p, s) ? 1 : 0)) == 0 ? s : -1;
+        }
+#pragma unroll
+        for (int k = 0; k < kTopk; k++) w[k] = ld_nc(wts + static_cast<i64>(t) * kTopk + k);
+        int lead[kTopk];  // at a rank's first selection: how many selections it has (else 0)
+#pragma unroll
+        for (int k = 0; k < kTopk; k++) {
+            bool first = rk[k] >= 0;
+            int n = 0;
+#pragma unroll
+            for (int k2 = 0; k2 < kTopk; k2++) {
+                if (k2 < k && rk[k2] == rk[k]) first = false;
+                if (rk[k2] == rk[k]) n++;
+            }
+            lead[k] = first ? n : 0;
+        }
+        int4 v[kCombineGroup][kTopk];
+#pragma unroll
+        for (int q = 0; q < kCombineGroup; q++) {
+            const int c = c0 + q * kChunk;
+#pragma unroll
+            for (int k = 0; k < kTopk; k++)
+                if (lead[k] > 0 && c < kHidden)
+                    v[q][k] = ld_ring(reinterpret_cast<const int4*>(slots + (static_cast<u64>(rk[k]) * M + t) * (2 * kHidden)) + c / 8);
+        }
+#pragma unroll
+        for (int q = 0; q < kCombineGroup; q++) {
+            const int c = c0 + q * kChunk;
+            if (c >= kHidden) continue;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+            for (int k = 0; k < kTopk; k++) {
+                if (lead[k] == 0) continue;
+                const u32 words[4] = {static_cast<u32>(v[q][k].x), static_cast<u32>(v[q][k].y), static_cast<u32>(v[q][k].z),
+                                      static_cast<u32>(v[q][k].w)};
+#pragma unroll
+                for (int h = 0; h < 4; h++) {
+                    const float lo = bf16_to_float(static_cast<u16>(words[h] & 0xffffu)), hi = bf16_to_float(static_cast<u16>(words[h] >> 16));
+                    acc[2 * h] += lead[k] == 1 ? mul_rn(lo, w[k]) : lo;
+                    acc[2 * h + 1] += lead[k] == 1 ? mul_rn(hi, w[k]) : hi;
+                }
+            }
+            int4 o;
+            o.x = static_cast<int>(static_cast<u32>(float_to_bf16(acc[0])) | static_cast<u32>(float_to_bf16(acc[1])) << 16);
+            o.y = static_cast<int>(static_cast<u32>(float_to_bf16(acc[2])) | static_cast<u32>(float_to_bf16(acc[3])) << 16);
+            o.z = static_cast<int>(static_cast<u32>(float_to_bf16(acc[4])) | static_cast<u32>(float_to_bf16(acc[5])) << 16);
+            o.w = static_cast<int>(static_cast<u32>(float_to_bf16(acc[6])) | static_cast<u32>(float_to_bf16(acc[7])) << 16);
+            st_na(reinterpret_cast<int4*>(reinterpret_cast<u16*>(p.out) + static_cast<i64>(t) * kHidden + c), o);
+        }
+    }
+    PYEP_LL_STAMP(p, PYEP_LL_CR_SUMMED);
+}
