@@ -2,6 +2,7 @@ package lowlatency
 
 import (
 	"fmt"
+	"math"
 	"unsafe"
 )
 
@@ -63,9 +64,14 @@ func (a *CombineArgs) check(R int) error {
 	return nil
 }
 
-// Combine runs a combine's send phase: every received row goes back to its token's rank, into
-// the slot (this rank's global expert, token index) of that rank's recv area, and then the flag
-// of each of this rank's experts at every unmasked rank. The returned Recv sums the rows.
+// Combine runs a combine's send phase, combine by rank: at most one row per (token, rank)
+// crosses the link. This rank first pushes its tokens' selections (expert and weight, MaxTopk a
+// token) into the push area of every peer it may write, then, for every rank src (itself
+// included) whose selections have arrived, it sends each of src's tokens that selected its
+// experts one row: the received row itself if the token selected one of them, else its partial
+// sum in float32 of weight times row over those selections in k order, rounded to bf16 once. The
+// rows go to the token's slot [this rank][token] of src's recv area, then one flag at [this
+// rank]. The returned Recv weighs and sums the rows (combineRecv).
 func (e *Engine) Combine(a *CombineArgs) (*Recv, error) {
 	if err := a.check(e.d.NumRanks); err != nil {
 		return nil, err
@@ -80,64 +86,182 @@ func (e *Engine) Combine(a *CombineArgs) (*Recv, error) {
 	return e.pend(h, seq, func() error { return e.combineRecv(a, l, h, seq) }), nil
 }
 
+// pushEntry is a selection as the push area holds it: the int32 expert in the low word, the
+// float32 weight's bits in the high word.
+func pushEntry(g int64, w float32) uint64 {
+	return uint64(uint32(int32(g))) | uint64(math.Float32bits(w))<<32
+}
+
 func (e *Engine) combineSend(a *CombineArgs, l Layout, h int, seq uint32) error {
-	me, R, H, L := e.d.Rank, e.d.NumRanks, a.Hidden, l.NumLocalExperts
-	RM := R * a.MaxTokens
+	me, R, H, L, M := e.d.Rank, e.d.NumRanks, a.Hidden, l.NumLocalExperts, a.MaxTokens
+	T, K, RM := a.NumTokens, a.NumTopk, R*a.MaxTokens
 	rows := a.X
 	if a.ZeroCopy {
 		rows = unsafe.Slice((*uint16)(at(e.d.Regions[me], l.Send(h))), L*RM*H)
 	}
+	// This rank's selections, pushed to every peer it may write (and read from here for itself).
+	// The slice is fresh, so that a remote put reads it unchanged.
+	mine := make([]uint64, T*MaxTopk)
+	for t := range T {
+		for k := range MaxTopk {
+			mine[t*MaxTopk+k] = pushEntry(-1, 0)
+			if k < K {
+				mine[t*MaxTopk+k] = pushEntry(a.TopkIdx[t*K+k], a.TopkWeights[t*K+k])
+			}
+		}
+	}
+	writable := make([]bool, R)
 	for dst := range R {
 		ok, err := e.awaitAck("low_latency_combine", l, h, seq, dst)
 		if err != nil {
 			return err
 		}
-		if !ok {
+		writable[dst] = ok
+		if !ok || dst == me {
 			continue
 		}
-		for j := range L {
-			v := a.LayoutRange[j*R+dst]
-			begin, n := int(v>>32), int(int32(v))
-			for i := range n {
-				row := j*RM + begin + i
-				t := int(a.SrcInfo[row])
-				e.write(dst, l.CombineSlot(h, me*L+j, t), unsafe.Slice((*byte)(unsafe.Pointer(&rows[row*H])), 2*H))
-			}
-			e.signal(dst, l.CombineFlags(h)+8*int64(me*L+j), flag(seq, 1))
+		if T > 0 {
+			e.write(dst, l.PushEntry(h, me, 0, 0), unsafe.Slice((*byte)(unsafe.Pointer(&mine[0])), 8*len(mine)))
 		}
+		e.signal(dst, l.PushFlag(h, me), flag(seq, uint32(T)))
 	}
-	return e.unsignalled("low_latency_combine")
-}
-
-func (e *Engine) combineRecv(a *CombineArgs, l Layout, h int, seq uint32) error {
-	R, H, K, L := e.d.NumRanks, a.Hidden, a.NumTopk, l.NumLocalExperts
-	base := e.d.Regions[e.d.Rank]
+	// Then every rank's tokens that selected this rank's experts get their row back.
+	base := e.d.Regions[me]
+	zeros, scratch, acc := make([]uint16, H), make([]uint16, H), make([]float32, H)
 	for src := range R {
-		var spent int64
-		for j := 0; j < L && !e.Masked(src); j++ {
-			fw := e.word(e.d.Rank, l.CombineFlags(h)+8*int64(src*L+j))
-			_, d, err := e.wait(src, func() string {
-				return fmt.Sprintf("low_latency_combine: waiting for the rows of its expert %d (call %d)", src*L+j, seq)
+		if !writable[src] {
+			continue
+		}
+		sel, Tsrc := mine, T
+		if src != me {
+			fw := e.word(me, l.PushFlag(h, src))
+			ok, _, err := e.wait(src, func() string {
+				return fmt.Sprintf("low_latency_combine: waiting for rank %d's top-k (call %d)", src, seq)
 			}, func() bool { return uint32(fw.Load()>>32) == seq })
 			if err != nil {
 				return err
 			}
-			spent += d.Nanoseconds()
+			if !ok {
+				continue
+			}
+			Tsrc = int(uint32(fw.Load()))
+			if Tsrc > M {
+				return fmt.Errorf("low_latency_combine: pyep internal error: rank %d pushed %d tokens, more than %d", src, Tsrc, M)
+			}
+			sel = unsafe.Slice((*uint64)(at(base, l.PushEntry(h, src, 0, 0))), Tsrc*MaxTopk)
+		}
+		// rowOf[j*Tsrc + t]: the row of src's token t at local expert j (-1: none).
+		rowOf := make([]int32, L*Tsrc)
+		for i := range rowOf {
+			rowOf[i] = -1
+		}
+		for j := range L {
+			v := a.LayoutRange[j*R+src]
+			begin, n := int(v>>32), int(int32(v))
+			for i := range n {
+				row := j*RM + begin + i
+				if t := int(a.SrcInfo[row]); t < Tsrc {
+					rowOf[j*Tsrc+t] = int32(row)
+				}
+			}
+		}
+		for t := range Tsrc {
+			var ks [MaxTopk]int
+			n := 0
+			for k, v := range sel[t*MaxTopk : (t+1)*MaxTopk] {
+				if g := int(int32(uint32(v))); g >= 0 && g < a.NumExperts && g/L == me {
+					ks[n] = k
+					n++
+				}
+			}
+			var out []uint16
+			switch n {
+			case 0:
+				continue
+			case 1:
+				v := sel[t*MaxTopk+ks[0]]
+				out = zeros
+				if row := rowOf[(int(int32(uint32(v)))-me*L)*Tsrc+t]; row >= 0 {
+					out = rows[int(row)*H : (int(row)+1)*H]
+				}
+			default:
+				clear(acc)
+				for _, k := range ks[:n] {
+					v := sel[t*MaxTopk+k]
+					row := rowOf[(int(int32(uint32(v)))-me*L)*Tsrc+t]
+					if row < 0 {
+						continue
+					}
+					w := math.Float32frombits(uint32(v >> 32))
+					for c, x := range rows[int(row)*H : (int(row)+1)*H] {
+						acc[c] += float32(bf16ToF32(x) * w)
+					}
+				}
+				out = scratch
+				if e.remote(src) {
+					out = make([]uint16, H)
+				}
+				for c, v := range acc {
+					out[c] = f32ToBF16(v)
+				}
+			}
+			e.write(src, l.CombineSlot(h, me, t), unsafe.Slice((*byte)(unsafe.Pointer(&out[0])), 2*H))
+		}
+		e.signal(src, l.CombineFlags(h)+8*int64(me), flag(seq, 1))
+	}
+	return e.unsignalled("low_latency_combine")
+}
+
+// combineRecv waits for every unmasked rank's rows and sums, for each token, the terms of the
+// ranks it selected, in the order of each rank's first selection: w * row in float32 for a
+// rank's only selection, the rank's pre-reduced bf16 row otherwise; the sum is rounded once.
+func (e *Engine) combineRecv(a *CombineArgs, l Layout, h int, seq uint32) error {
+	R, H, K, L := e.d.NumRanks, a.Hidden, a.NumTopk, l.NumLocalExperts
+	base := e.d.Regions[e.d.Rank]
+	for src := range R {
+		if e.Masked(src) {
+			continue
+		}
+		fw := e.word(e.d.Rank, l.CombineFlags(h)+8*int64(src))
+		_, d, err := e.wait(src, func() string {
+			return fmt.Sprintf("low_latency_combine: waiting for rank %d's rows (call %d)", src, seq)
+		}, func() bool { return uint32(fw.Load()>>32) == seq })
+		if err != nil {
+			return err
 		}
 		if a.WaitStats != nil {
-			a.WaitStats[src] += spent
+			a.WaitStats[src] += d.Nanoseconds()
 		}
 	}
 	acc := make([]float32, H)
 	for t := range a.NumTokens {
 		clear(acc)
-		for k := range K {
-			g := a.TopkIdx[t*K+k]
-			if g < 0 || e.Masked(int(g)/L) {
+		sel := a.TopkIdx[t*K : (t+1)*K]
+	next:
+		for k, g := range sel {
+			if g < 0 {
+				continue
+			}
+			r, n := int(g)/L, 0
+			for k2, g2 := range sel {
+				if g2 >= 0 && int(g2)/L == r {
+					if k2 < k {
+						continue next // not r's first selection: its term is in
+					}
+					n++
+				}
+			}
+			if e.Masked(r) {
+				continue
+			}
+			row := unsafe.Slice((*uint16)(at(base, l.CombineSlot(h, r, t))), H)
+			if n > 1 {
+				for c, v := range row {
+					acc[c] += bf16ToF32(v)
+				}
 				continue
 			}
 			w := a.TopkWeights[t*K+k]
-			row := unsafe.Slice((*uint16)(at(base, l.CombineSlot(h, int(g), t))), H)
 			for c, v := range row {
 				acc[c] += float32(bf16ToF32(v) * w)
 			}

@@ -252,9 +252,10 @@ func (e *Engine) barrier(op string) error {
 	return nil
 }
 
-// Clean is clean_low_latency_buffer: after a barrier, it zeroes this rank's flags and acks of
-// shape s's layout, forgets the calls (seq 0) and their pending receives, and passes a second
-// barrier, so that no peer writes for a new call before every rank has cleaned.
+// Clean is clean_low_latency_buffer: after a barrier, it zeroes this rank's flags (dispatch,
+// combine and push) and acks of shape s's layout, forgets the calls (seq 0) and their pending
+// receives, and passes a second barrier, so that no peer writes for a new call before every
+// rank has cleaned.
 func (e *Engine) Clean(s Shape) error {
 	l, err := NewLayout(e.d.NumRanks, s)
 	if err == nil {
@@ -270,6 +271,7 @@ func (e *Engine) Clean(s Shape) error {
 	base := e.d.Regions[e.d.Rank]
 	for h := range 2 {
 		clear(unsafe.Slice((*byte)(at(base, l.DispatchFlags(h))), 2*l.FlagBytes))
+		clear(unsafe.Slice((*byte)(at(base, l.PushFlag(h, 0))), l.PushEntry(h, 0, 0, 0)-l.PushFlag(h, 0)))
 		e.pending[h] = nil
 	}
 	clear(unsafe.Slice((*byte)(at(base, l.Ack(0, 0))), 16*e.d.NumRanks))

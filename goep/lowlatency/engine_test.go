@@ -2,6 +2,7 @@ package lowlatency
 
 import (
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -108,6 +109,62 @@ func expectRows(in []rankInput, K, L, g int) [][2]int {
 	return rows
 }
 
+// An expert's output of its bf16 row x: the row itself, or the row scaled by (g + 1) / 4.
+func identity(g int, x []uint16) []uint16 { return x }
+
+func scaled(g int, x []uint16) []uint16 {
+	y := make([]uint16, len(x))
+	for c, v := range x {
+		y[c] = f32ToBF16(bf16ToF32(v) * float32(g+1) / 4)
+	}
+	return y
+}
+
+// refCombine is the combine of a rank's tokens in, by its definition: the terms of the ranks
+// that a token selected (masked ranks left out), added in float32 in the order of each rank's
+// first selection and rounded to bf16 once. A rank's term is w * expert(g, x) in float32 when
+// the token selected one of its experts; when it selected several, the rank's float32 sum of
+// those products in k order, rounded to bf16.
+func refCombine(in rankInput, K, L, H int, masked []bool, expert func(g int, x []uint16) []uint16) []uint16 {
+	out := make([]uint16, in.T*H)
+	for t := range in.T {
+		x := in.x[t*H : (t+1)*H]
+		byRank := map[int][]int{} // rank: its selections k
+		var order []int           // ranks by first selection
+		for k := range K {
+			if g := int(in.topk[t*K+k]); g >= 0 {
+				if byRank[g/L] == nil {
+					order = append(order, g/L)
+				}
+				byRank[g/L] = append(byRank[g/L], k)
+			}
+		}
+		acc := make([]float32, H)
+		for _, r := range order {
+			if masked != nil && masked[r] {
+				continue
+			}
+			term := make([]float32, H)
+			for _, k := range byRank[r] {
+				y := expert(int(in.topk[t*K+k]), x)
+				for c := range H {
+					term[c] += float32(bf16ToF32(y[c]) * in.w[t*K+k])
+				}
+			}
+			for c := range H {
+				if len(byRank[r]) > 1 {
+					term[c] = bf16ToF32(f32ToBF16(term[c]))
+				}
+				acc[c] += term[c]
+			}
+		}
+		for c := range H {
+			out[t*H+c] = f32ToBF16(acc[c])
+		}
+	}
+	return out
+}
+
 func TestDispatchCombine(t *testing.T) {
 	cases := []struct {
 		name              string
@@ -211,15 +268,10 @@ func TestDispatchCombine(t *testing.T) {
 					require.NoError(t, err)
 				}
 				for r := range c.R {
+					want := refCombine(in[r], c.K, L, H, nil, identity)
 					for tok := range in[r].T {
 						for ch := range H {
-							acc := float32(0)
-							for k := range c.K {
-								if in[r].topk[tok*c.K+k] >= 0 {
-									acc += float32(bf16ToF32(in[r].x[tok*H+ch]) * in[r].w[tok*c.K+k])
-								}
-							}
-							require.Equal(t, f32ToBF16(acc), outs[r][tok*H+ch], "rank %d token %d channel %d", r, tok, ch)
+							require.Equal(t, want[tok*H+ch], outs[r][tok*H+ch], "rank %d token %d channel %d", r, tok, ch)
 						}
 					}
 				}
@@ -293,12 +345,13 @@ func TestTimeoutMasksOrFails(t *testing.T) {
 }
 
 func TestMaskedRankIsNeitherSentToNorAwaited(t *testing.T) {
-	s := Shape{MaxTokens: 3, Hidden: 128, NumExperts: 3}
+	s := Shape{MaxTokens: 3, Hidden: 128, NumExperts: 6}
 	g := newGroup(t, 3, s, true, 10*time.Second)
 	in := inputs(rand.New(rand.NewPCG(4, 4)), 3, 3, s, []int{3, 3, 3})
 	for r := range 2 {
 		require.NoError(t, g.engines[r].SetMask(2, true))
 	}
+	outs := make([][]uint16, 3)
 	errs := g.each(func(r int, e *Engine) error {
 		if r == 2 {
 			return nil
@@ -308,18 +361,29 @@ func TestMaskedRankIsNeitherSentToNorAwaited(t *testing.T) {
 		if err == nil {
 			err = recv.Finish()
 		}
+		if err != nil {
+			return err
+		}
 		assert.Equal(t, int64(0), a.LayoutRange[2]&0xffffffff)
+		outs[r] = make([]uint16, in[r].T*s.Hidden)
+		recv, err = e.Combine(&CombineArgs{Shape: s, NumTokens: in[r].T, NumTopk: 3,
+			X: unsafe.Slice((*uint16)(unsafe.Pointer(&a.RecvX[0])), len(a.RecvX)/2), SrcInfo: a.SrcInfo,
+			LayoutRange: a.LayoutRange, TopkIdx: in[r].topk, TopkWeights: in[r].w, Out: outs[r]})
+		if err == nil {
+			err = recv.Finish()
+		}
 		return err
 	})
 	for _, err := range errs {
 		require.NoError(t, err)
 	}
+	for r := range 2 {
+		assert.Equal(t, refCombine(in[r], 3, 2, s.Hidden, []bool{false, false, true}, identity), outs[r], "rank %d", r)
+	}
 	// Nothing reached rank 2's region.
 	l, _ := NewLayout(3, s)
-	flags := unsafe.Slice((*uint64)(g.engines[2].d.Regions[2]), l.Send(0)/8)
-	for _, f := range flags[l.DispatchFlags(0)/8:] {
-		assert.Zero(t, f)
-	}
+	assert.False(t, slices.ContainsFunc(unsafe.Slice((*byte)(g.engines[2].d.Regions[2]), l.TotalBytes),
+		func(b byte) bool { return b != 0 }))
 	mask := make([]int32, 3)
 	g.engines[0].Masks(mask)
 	assert.Equal(t, []int32{0, 0, 1}, mask)
@@ -357,4 +421,130 @@ func TestShapeChangeNeedsClean(t *testing.T) {
 	require.NoError(t, recv.Finish())
 	big := Shape{MaxTokens: 1000, Hidden: 128, NumExperts: 2}
 	require.ErrorContains(t, g.engines[0].Clean(big), "see Buffer.get_low_latency_rdma_size_hint")
+}
+
+// combineRound dispatches in's tokens (bf16), lets expert make each expert's rows and combines
+// them with comb's selections and weights (in's, or with selections repeated), on every rank.
+func combineRound(t *testing.T, g *group, s Shape, K int, in, comb []rankInput, expert func(g int, x []uint16) []uint16) [][]uint16 {
+	t.Helper()
+	R := len(g.engines)
+	L, RM, H := s.NumExperts/R, R*s.MaxTokens, s.Hidden
+	outs := make([][]uint16, R)
+	errs := g.each(func(r int, e *Engine) error {
+		a := dispatchArgs(s, R, K, in[r], false, false, false)
+		recv, err := e.Dispatch(a)
+		if err == nil {
+			err = recv.Finish()
+		}
+		if err != nil {
+			return err
+		}
+		rows := unsafe.Slice((*uint16)(unsafe.Pointer(&a.RecvX[0])), L*RM*H)
+		x := make([]uint16, L*RM*H)
+		for j := range L {
+			for i := range RM {
+				copy(x[(j*RM+i)*H:], expert(r*L+j, rows[(j*RM+i)*H:(j*RM+i+1)*H]))
+			}
+		}
+		outs[r] = make([]uint16, in[r].T*H)
+		recv, err = e.Combine(&CombineArgs{Shape: s, NumTokens: in[r].T, NumTopk: K, X: x, SrcInfo: a.SrcInfo,
+			LayoutRange: a.LayoutRange, TopkIdx: comb[r].topk, TopkWeights: comb[r].w, Out: outs[r]})
+		if err != nil {
+			return err
+		}
+		return recv.Finish()
+	})
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+	return outs
+}
+
+// A token that selects several experts of one rank gets one row from that rank, the rank's
+// partial sum rounded to bf16; a rank with one of its experts sends the row as it is.
+func TestCombineByRank(t *testing.T) {
+	const R, K, M, H = 3, 5, 4, 256
+	s := Shape{MaxTokens: M, Hidden: H, NumExperts: 6} // L = 2: experts 2r and 2r+1 on rank r
+	g := newGroup(t, R, s, false, 10*time.Second)
+	rng := rand.New(rand.NewPCG(6, 6))
+	in := inputs(rng, R, K, s, []int{M, M, M})
+	copy(in[0].topk, []int64{
+		0, 4, 1, -1, 2, // rank 0 twice (k 0, 2), then rank 2, rank 1 once each
+		5, 3, 4, 2, -1, // ranks 2 and 1 twice each
+		-1, -1, -1, -1, -1, // nothing
+		1, -1, 5, 0, 3, // rank 0 twice, ranks 2 and 1 once
+	})
+	oldSum := func(r int, out []uint16) bool { // whether out differs from the sum over k of every row
+		for tok := range in[r].T {
+			for c := range H {
+				acc := float32(0)
+				for k := range K {
+					if e := in[r].topk[tok*K+k]; e >= 0 {
+						acc += float32(bf16ToF32(scaled(int(e), in[r].x[tok*H:(tok+1)*H])[c]) * in[r].w[tok*K+k])
+					}
+				}
+				if f32ToBF16(acc) != out[tok*H+c] {
+					return true
+				}
+			}
+		}
+		return false
+	}
+	outs := combineRound(t, g, s, K, in, in, scaled)
+	for r := range R {
+		assert.Equal(t, refCombine(in[r], K, 2, H, nil, scaled), outs[r], "rank %d", r)
+	}
+	assert.True(t, oldSum(0, outs[0]), "the partial sums' rounding shows")
+
+	// The combine may select an expert twice (the dispatch may not): two selections of one row.
+	in[0].topk[10] = 3 // token 2: expert 3
+	comb := slices.Clone(in)
+	comb[0].topk = slices.Clone(in[0].topk)
+	comb[0].topk[3] = 0  // token 0: expert 0 at k 0 and 3
+	comb[0].topk[13] = 3 // token 2: expert 3 at k 0 and 3, its only rank
+	comb[0].topk[16] = 1 // token 3: expert 1 at k 0 and 1
+	outs = combineRound(t, g, s, K, in, comb, scaled)
+	for r := range R {
+		assert.Equal(t, refCombine(comb[r], K, 2, H, nil, scaled), outs[r], "rank %d", r)
+	}
+
+	// A clean zeroes the push flags too: the next combine with the same seq does not read stale
+	// selections.
+	for _, err := range g.each(func(r int, e *Engine) error { return e.Clean(s) }) {
+		require.NoError(t, err)
+	}
+	l, _ := NewLayout(R, s)
+	for r, e := range g.engines {
+		for h := range 2 {
+			for p := range R {
+				assert.Zero(t, e.word(r, l.PushFlag(h, p)).Load(), "rank %d half %d push flag of %d", r, h, p)
+			}
+		}
+	}
+	in = inputs(rng, R, K, s, []int{M, 2, 0})
+	outs = combineRound(t, g, s, K, in, in, scaled)
+	for r := range R {
+		assert.Equal(t, refCombine(in[r], K, 2, H, nil, scaled), outs[r], "rank %d", r)
+	}
+}
+
+// The combine's send phase waits for every peer's selections: a peer that does not call is
+// masked (shrink) or named.
+func TestCombineWaitsForTheTopk(t *testing.T) {
+	s := Shape{MaxTokens: 2, Hidden: 128, NumExperts: 4}
+	for _, shrink := range []bool{true, false} {
+		g := newGroup(t, 2, s, shrink, 200*time.Millisecond)
+		a := &CombineArgs{Shape: s, NumTokens: 1, NumTopk: 2, X: make([]uint16, 2*4*128), SrcInfo: make([]int32, 2*4),
+			LayoutRange: make([]int64, 2*2), TopkIdx: []int64{0, 3}, TopkWeights: []float32{1, 1}, Out: make([]uint16, 128)}
+		recv, err := g.engines[0].Combine(a)
+		if !shrink {
+			require.ErrorIs(t, err, ErrTimeout)
+			assert.ErrorContains(t, err, "waiting for rank 1's top-k (call 1)")
+			continue
+		}
+		require.NoError(t, err)
+		assert.Equal(t, []int{1}, g.engines[0].TimedOut())
+		require.NoError(t, recv.Finish())
+		assert.Equal(t, make([]uint16, 128), a.Out) // expert 0 had no row for the token
+	}
 }

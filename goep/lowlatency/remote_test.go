@@ -45,8 +45,8 @@ func bytesOf[T any](s []T) []byte {
 
 // runCalls makes the same sequence of low-latency calls on every rank of g (dispatches in BF16,
 // FP8, with round_scale and UE8M0, with and without hooks; combines of what each dispatch
-// received, one of them zero-copy) and returns, per rank, every output of every call in order
-// (not the wait statistics, which are times).
+// received, one of them zero-copy, each checked against refCombine) and returns, per rank, every
+// output of every call in order (not the wait statistics, which are times).
 func runCalls(t *testing.T, g *group, R int, s Shape, K int) [][]byte {
 	t.Helper()
 	out := make([][]byte, R)
@@ -90,13 +90,11 @@ func runCalls(t *testing.T, g *group, R int, s Shape, K int) [][]byte {
 		outs := make([][]uint16, R)
 		errs = g.each(func(r int, e *Engine) error {
 			a := args[r]
-			// The expert's output: its rows scaled by a per-expert factor.
+			// The expert's output: its rows scaled by a per-expert factor (scaled).
 			x := make([]uint16, L*RM*H)
 			rows := unsafe.Slice((*uint16)(unsafe.Pointer(&a.RecvX[0])), L*RM*H)
 			for j := range L {
-				for c := j * RM * H; c < (j+1)*RM*H; c++ {
-					x[c] = f32ToBF16(bf16ToF32(rows[c]) * float32(r*L+j+1) / 4)
-				}
+				copy(x[j*RM*H:], scaled(r*L+j, rows[j*RM*H:(j+1)*RM*H]))
 			}
 			c := &CombineArgs{Shape: s, NumTokens: in[r].T, NumTopk: K, X: x, SrcInfo: a.SrcInfo,
 				LayoutRange: a.LayoutRange, TopkIdx: in[r].topk, TopkWeights: in[r].w, Out: make([]uint16, in[r].T*H)}
@@ -122,6 +120,7 @@ func runCalls(t *testing.T, g *group, R int, s Shape, K int) [][]byte {
 			require.NoError(t, err, "combine of call %d", i)
 		}
 		for r := range R {
+			require.Equal(t, refCombine(in[r], K, L, H, nil, scaled), outs[r], "combine of call %d, rank %d", i, r)
 			out[r] = append(out[r], bytesOf(outs[r])...)
 		}
 	}
