@@ -28,8 +28,8 @@
 // kCombineGroup chunks) sums the token's terms.
 
 constexpr int kPushTopk = 11;  // selections a token has in the push area (goep/lowlatency's MaxTopk)
-constexpr int kMsgRound = 32;  // messages a block locates at once
-static_assert(kTopk <= kPushTopk && kMsgRound * kPushTopk <= kThreads, "a thread a selection of a round");
+constexpr int kMsgRound = kThreads / kPushTopk < 32 ? kThreads / kPushTopk : 32;  // messages a block locates at once
+static_assert(kTopk <= kPushTopk && kMsgRound >= 1, "a thread a selection of a round");
 
 PYEP_DEVICE u64 push_entries(const LLParams& p) { return p.off_push + (8 * static_cast<u64>(p.num_ranks) + 127) / 128 * 128; }
 
