@@ -79,13 +79,30 @@ def expert_output(rows: torch.Tensor, expert: int) -> torch.Tensor:
 
 
 def ref_combine(inp: Inputs, me: int, masked: set, L: int) -> torch.Tensor:
+    """Rank me's combine, by rank: for each token, one term per rank it selected (masked ranks left out), added in
+    float32 in the order of the token's first selection of each rank and rounded to bf16 once. A rank's term is
+    w * expert_output in float32 for its only selection; for several, the rank's float32 sum of those products in k
+    order, rounded to bf16 (the expert's rank sends that one row)."""
     x, topk, w = inp.x[me], inp.topk[me], inp.w[me]
     acc = torch.zeros(x.shape, dtype=torch.float32)
-    for k in range(topk.shape[1]):
-        for t in range(x.shape[0]):
+    for t in range(x.shape[0]):
+        by_rank = {}  # rank: its selections (k, expert), in k order; ranks in the order of first selection
+        for k in range(topk.shape[1]):
             g = int(topk[t, k])
-            if g >= 0 and g // L not in masked:
-                acc[t] = acc[t] + expert_output(x[t], g).float() * w[t, k]
+            if g >= 0:
+                by_rank.setdefault(g // L, []).append((k, g))
+        for r, sel in by_rank.items():
+            if r in masked:
+                continue
+            if len(sel) == 1:
+                k, g = sel[0]
+                term = expert_output(x[t], g).float() * w[t, k]
+            else:
+                term = torch.zeros(x.shape[1], dtype=torch.float32)
+                for k, g in sel:
+                    term = term + expert_output(x[t], g).float() * w[t, k]
+                term = term.bfloat16().float()
+            acc[t] = acc[t] + term
     return acc.bfloat16()
 
 
