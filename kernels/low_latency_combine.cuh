@@ -44,12 +44,19 @@ PYEP_DEVICE void push_selections(const LLParams& p, int d, u32 seq) {
     int2* dst = reinterpret_cast<int2*>((rem ? local(p) : region(p, d)) + at);
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
     const float* wts = reinterpret_cast<const float*>(p.topk_weights);
-    for (int i = tid; i < T * kPushTopk; i += kThreads) {
-        const int t = i / kPushTopk, k = i % kPushTopk;
-        int2 v;
-        v.x = k < kTopk ? static_cast<int>(ld_nc(idx + static_cast<i64>(t) * kTopk + k)) : -1;
-        v.y = k < kTopk ? static_cast<int>(__float_as_uint(ld_nc(wts + static_cast<i64>(t) * kTopk + k))) : 0;
-        st_na(dst + i, v);
+    constexpr int kInFlight = 4;  // entries a thread has loaded before it stores the first
+    for (int i0 = tid; i0 < T * kPushTopk; i0 += kThreads * kInFlight) {
+        int2 v[kInFlight];
+#pragma unroll
+        for (int u = 0; u < kInFlight; u++) {
+            const int i = i0 + u * kThreads, t = i / kPushTopk, k = i % kPushTopk;
+            const bool on = i < T * kPushTopk && k < kTopk;
+            v[u].x = on ? static_cast<int>(ld_nc(idx + static_cast<i64>(t) * kTopk + k)) : -1;
+            v[u].y = on ? static_cast<int>(__float_as_uint(ld_nc(wts + static_cast<i64>(t) * kTopk + k))) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < kInFlight; u++)
+            if (i0 + u * kThreads < T * kPushTopk) st_na(dst + i0 + u * kThreads, v[u]);
     }
     __syncthreads();
     if (rem && T > 0 && tid < 32) put_peer(d, region(p, d) + at, dst, static_cast<u64>(T) * kPushTopk * 8);
@@ -59,20 +66,25 @@ PYEP_DEVICE void push_selections(const LLParams& p, int d, u32 seq) {
     }
 }
 
-// The place of token t among pair (j, s)'s rows of x (in token order), or -1.
+// The place of token t among pair (j, s)'s rows of x (in token order), or -1: the tokens read
+// kScan at once (a pair has about T K / E rows: a round trip or two).
+constexpr int kScan = 8;
 PYEP_DEVICE i64 find_row(const LLParams& p, int j, int s, int t) {
     const i64 RM = static_cast<i64>(p.num_ranks) * p.max_tokens;
     const i64 v = ld_nc(reinterpret_cast<const i64*>(p.layout_range) + static_cast<i64>(j) * p.num_ranks + s);
     const i64 first = j * RM + (v >> 32);
-    int lo = 0, hi = static_cast<int>(v & 0xffffffff);
-    hi = hi < p.max_tokens ? hi : p.max_tokens;
+    const int n = static_cast<int>(v & 0xffffffff) < p.max_tokens ? static_cast<int>(v & 0xffffffff) : p.max_tokens;
     const i32* tok = reinterpret_cast<const i32*>(p.src_info) + first;
-    while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        if (ld_nc(tok + mid) < t) lo = mid + 1;
-        else hi = mid;
+    for (int i0 = 0; i0 < n; i0 += kScan) {
+        i32 got[kScan];
+#pragma unroll
+        for (int u = 0; u < kScan; u++) got[u] = i0 + u < n ? ld_nc(tok + i0 + u) : -1;
+#pragma unroll
+        for (int u = 0; u < kScan; u++)
+            if (got[u] == t) return first + i0 + u;
+        if (got[kScan - 1] > t) break;  // in token order: past t
     }
-    return lo < static_cast<int>(v & 0xffffffff) && lo < p.max_tokens && ld_nc(tok + lo) == t ? first + lo : -1;
+    return -1;
 }
 
 // Writes chunk c (8 channels a lane) of a message's row to out: the one row as it is, or the
@@ -115,7 +127,6 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
     PYEP_SHARED(i32, s_j, kMsgRound * kPushTopk);       // and its selections' local experts,
     PYEP_SHARED(float, s_w, kMsgRound * kPushTopk);     // weights,
     PYEP_SHARED(i64, s_row, kMsgRound * kPushTopk);     // and rows of x (-1: none)
-    PYEP_SHARED(i32, s_last, 1);
     const int R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens, G = static_cast<int>(gridDim.x), me = p.rank;
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = lane_id(), b = static_cast<int>(blockIdx.x);
     const u16* x = p.zero_copy ? reinterpret_cast<const u16*>(local(p) + p.off_send) : reinterpret_cast<const u16*>(p.x);
@@ -152,19 +163,23 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
                              ? static_cast<int>(static_cast<u32>(v))
                              : 0;
                 }
-                const int2* pushed = reinterpret_cast<const int2*>(local(p) + push_entries(p)) + (static_cast<i64>(s) * M + t) * kPushTopk;
-                for (int k = 0; t < Ts && k < (s == me ? kTopk : kPushTopk); k++) {
-                    i64 g;
-                    float w;
-                    if (s == me) {
-                        g = ld_nc(idx + static_cast<i64>(t) * kTopk + k), w = ld_nc(wts + static_cast<i64>(t) * kTopk + k);
-                    } else {
-                        const i64 e = ld_ring(reinterpret_cast<const i64*>(pushed + k));
-                        g = static_cast<i32>(static_cast<u32>(e)), w = __int_as_float(static_cast<int>(e >> 32));
-                    }
+                // Every selection's load issued before the first is used (one round trip, not one a selection).
+                const i64* pushed = reinterpret_cast<const i64*>(local(p) + push_entries(p)) + (static_cast<i64>(s) * M + t) * kPushTopk;
+                i64 e[kPushTopk];
+                float w[kPushTopk];
+#pragma unroll
+                for (int k = 0; k < kPushTopk; k++) {
+                    e[k] = -1, w[k] = 0;
+                    if (t >= Ts) continue;
+                    if (s != me) e[k] = ld_ring(pushed + k);
+                    else if (k < kTopk) e[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k), w[k] = ld_nc(wts + static_cast<i64>(t) * kTopk + k);
+                }
+#pragma unroll
+                for (int k = 0; k < kPushTopk; k++) {
+                    const i64 g = s == me ? e[k] : static_cast<i64>(static_cast<i32>(static_cast<u32>(e[k])));
                     if (g < 0 || g >= p.num_experts || g / L != me) continue;
                     s_j[tid * kPushTopk + cnt] = static_cast<i32>(g - static_cast<i64>(me) * L);
-                    s_w[tid * kPushTopk + cnt] = w;
+                    s_w[tid * kPushTopk + cnt] = s == me ? w[k] : __int_as_float(static_cast<int>(e[k] >> 32));
                     cnt++;
                 }
                 const u64 slot = static_cast<u64>(is_remote(p, s) ? NM + s * M + t : me * M + t) * (2 * kHidden);
@@ -204,13 +219,10 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
             fence_acq_rel_sys();  // every block's rows before the flags
             st_volatile(counter, 0);  // for the next call (a later kernel)
         }
-        s_last[0] = last ? 1 : 0;
+        // Every block's rows are ordered before this thread's fence: its stores need no release of their own.
+        for (int s = 0; last && s < R; s++)
+            if (dest_ok(s) && !masked(p, s)) signal_peer<true>(p, s, reinterpret_cast<u64*>(region(p, s) + p.off_cflags) + me, static_cast<u64>(seq) << 32 | 1u);
     }
-    __syncthreads();
-    if (s_last[0] != 0)
-        for (int s = tid; s < R; s += kThreads)
-            if (dest_ok(s) && !masked(p, s))
-                signal_peer(p, s, reinterpret_cast<u64*>(region(p, s) + p.off_cflags) + me, static_cast<u64>(seq) << 32 | 1u);
     PYEP_LL_STAMP(p, PYEP_LL_CS_FLAGGED);
 }
 
@@ -244,16 +256,18 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
     for (int it = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32; it < p.num_tokens * kGroups;
          it += nw) {
         const int t = it / kGroups, c0 = (it % kGroups) * kCombineGroup * kChunk + lane * 8;
-        int rk[kTopk];  // selection k's rank, or -1 (none, or masked)
+        i64 g[kTopk];
         float w[kTopk];
 #pragma unroll
-        for (int k = 0; k < kTopk; k++) {
-            const i64 g = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
-            const int s = g >= 0 && g < E ? static_cast<int>(g / L) : -1;
-            rk[k] = s >= 0 && (s < kMaskCache ? s_mask[s] : (masked(p, s) ? 1 : 0)) == 0 ? s : -1;
-        }
+        for (int k = 0; k < kTopk; k++) g[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k);
 #pragma unroll
         for (int k = 0; k < kTopk; k++) w[k] = ld_nc(wts + static_cast<i64>(t) * kTopk + k);
+        int rk[kTopk];  // selection k's rank, or -1 (none, or masked)
+#pragma unroll
+        for (int k = 0; k < kTopk; k++) {
+            const int s = g[k] >= 0 && g[k] < E ? static_cast<int>(g[k] / L) : -1;
+            rk[k] = s >= 0 && (s < kMaskCache ? s_mask[s] : (masked(p, s) ? 1 : 0)) == 0 ? s : -1;
+        }
         int lead[kTopk];  // at a rank's first selection: how many selections it has (else 0)
 #pragma unroll
         for (int k = 0; k < kTopk; k++) {
