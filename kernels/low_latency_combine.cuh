@@ -87,6 +87,16 @@ PYEP_DEVICE i64 find_row(const LLParams& p, int j, int s, int t) {
     return -1;
 }
 
+// Eight float32 sums rounded to bf16, as one 16-byte vector.
+PYEP_DEVICE int4 bf16x8(const float* acc) {
+    int4 o;
+    o.x = static_cast<int>(static_cast<u32>(float_to_bf16(acc[0])) | static_cast<u32>(float_to_bf16(acc[1])) << 16);
+    o.y = static_cast<int>(static_cast<u32>(float_to_bf16(acc[2])) | static_cast<u32>(float_to_bf16(acc[3])) << 16);
+    o.z = static_cast<int>(static_cast<u32>(float_to_bf16(acc[4])) | static_cast<u32>(float_to_bf16(acc[5])) << 16);
+    o.w = static_cast<int>(static_cast<u32>(float_to_bf16(acc[6])) | static_cast<u32>(float_to_bf16(acc[7])) << 16);
+    return o;
+}
+
 // Writes chunk c (8 channels a lane) of a message's row to out: the one row as it is, or the
 // weighted sum of n rows (rows[e], -1: none; weights w[e]) rounded to bf16.
 PYEP_DEVICE void reduce_chunk(const u16* x, int n, const i64* rows, const float* w, int c, int4* out) {
@@ -112,12 +122,7 @@ PYEP_DEVICE void reduce_chunk(const u16* x, int n, const i64* rows, const float*
             }
         }
     }
-    int4 o;
-    o.x = static_cast<int>(static_cast<u32>(float_to_bf16(acc[0])) | static_cast<u32>(float_to_bf16(acc[1])) << 16);
-    o.y = static_cast<int>(static_cast<u32>(float_to_bf16(acc[2])) | static_cast<u32>(float_to_bf16(acc[3])) << 16);
-    o.z = static_cast<int>(static_cast<u32>(float_to_bf16(acc[4])) | static_cast<u32>(float_to_bf16(acc[5])) << 16);
-    o.w = static_cast<int>(static_cast<u32>(float_to_bf16(acc[6])) | static_cast<u32>(float_to_bf16(acc[7])) << 16);
-    st_na(out, o);
+    st_na(out, bf16x8(acc));
 }
 
 PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
@@ -306,12 +311,7 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
                     acc[2 * h + 1] += lead[k] == 1 ? mul_rn(hi, w[k]) : hi;
                 }
             }
-            int4 o;
-            o.x = static_cast<int>(static_cast<u32>(float_to_bf16(acc[0])) | static_cast<u32>(float_to_bf16(acc[1])) << 16);
-            o.y = static_cast<int>(static_cast<u32>(float_to_bf16(acc[2])) | static_cast<u32>(float_to_bf16(acc[3])) << 16);
-            o.z = static_cast<int>(static_cast<u32>(float_to_bf16(acc[4])) | static_cast<u32>(float_to_bf16(acc[5])) << 16);
-            o.w = static_cast<int>(static_cast<u32>(float_to_bf16(acc[6])) | static_cast<u32>(float_to_bf16(acc[7])) << 16);
-            st_na(reinterpret_cast<int4*>(reinterpret_cast<u16*>(p.out) + static_cast<i64>(t) * kHidden + c), o);
+            st_na(reinterpret_cast<int4*>(reinterpret_cast<u16*>(p.out) + static_cast<i64>(t) * kHidden + c), bf16x8(acc));
         }
     }
     PYEP_LL_STAMP(p, PYEP_LL_CR_SUMMED);
