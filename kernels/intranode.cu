@@ -142,6 +142,16 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads, 1) pyep_notify(cons
 
 #if defined(PYEP_DISPATCH) || defined(PYEP_COMBINE)
 
+#ifndef PYEP_TOPK
+#define PYEP_TOPK 0
+#endif
+#ifndef PYEP_VEC
+#define PYEP_VEC 16
+#endif
+constexpr int kTopk = PYEP_TOPK;  // a token's top-k entries that travel with it (0: none)
+constexpr int kVec = PYEP_VEC;    // bytes a lane moves at once
+typedef typename Vec<kVec>::T V;
+
 // ---------------------------------------------------------------------------------------------
 // Shared by dispatch and combine: the warp groups of a block. Warps [g*WPR, (g+1)*WPR) serve
 // peer g; a group synchronises on named barrier 1 + g.
@@ -225,19 +235,10 @@ constexpr int kCopyUnroll = PYEP_COPY_UNROLL;
 #ifndef PYEP_SCALES_BYTES
 #define PYEP_SCALES_BYTES 0
 #endif
-#ifndef PYEP_TOPK
-#define PYEP_TOPK 0
-#endif
-#ifndef PYEP_VEC
-#define PYEP_VEC 16
-#endif
 
 constexpr int kHiddenBytes = PYEP_HIDDEN_BYTES;
 constexpr int kScalesBytes = PYEP_SCALES_BYTES;
-constexpr int kTopk = PYEP_TOPK;
-constexpr int kVec = PYEP_VEC;
 static_assert(kHiddenBytes % kVec == 0 && kScalesBytes % 4 == 0, "rows are whole vectors");
-typedef typename Vec<kVec>::T V;
 
 typedef pyep_dispatch_params DispatchParams;  // params.h
 

@@ -15,22 +15,13 @@
 #ifndef PYEP_DTYPE
 #define PYEP_DTYPE 1
 #endif
-#ifndef PYEP_TOPK
-#define PYEP_TOPK 0
-#endif
-#ifndef PYEP_VEC
-#define PYEP_VEC 16
-#endif
 
 constexpr int kHidden = PYEP_HIDDEN;
 constexpr int kDType = PYEP_DTYPE;
 constexpr int kElem = kDType == 3 ? 4 : 2;
 constexpr int kRowBytes = kHidden * kElem;
-constexpr int kTopk = PYEP_TOPK;
-constexpr int kVec = PYEP_VEC;
 constexpr int kPerVec = kVec / kElem;  // elements per vector
 static_assert(kVec >= kElem && kRowBytes % kVec == 0, "rows are whole vectors of whole elements");
-typedef typename Vec<kVec>::T V;
 constexpr int kReducers = kWarps - 1;
 
 typedef pyep_combine_params CombineParams;  // params.h
