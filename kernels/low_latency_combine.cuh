@@ -17,9 +17,10 @@
 // Send. Message i = t * R + s is the row that this rank owes token t of rank s (none when t
 // selected no expert here); block b takes messages [R M b / G, R M (b + 1) / G), this rank's own
 // first, kMsgRound at once:
-// a thread a message reads its selections (this rank's own from topk_idx, a peer's from the push
-// area once its flag arrived), a thread a selection finds its row among pair (j, s)'s (a binary
-// search of the token: the dispatch receive keeps each pair's rows in token order), then the warps
+// a warp a message, a lane a selection, reads the selections (this rank's own from topk_idx, a
+// peer's from the push area once its flag arrived) and finds the row of each of this rank's among
+// pair (j, s)'s (a scan for the token: the dispatch receive keeps each pair's rows in token order),
+// with no barrier between, so the own messages are done while the peers' wait; then the warps
 // copy or reduce the messages a chunk at a time into slot (this rank, t) of s's receive area
 // (rows [R][M] of 2H). A peer on another node gets its rows staged in this rank's own receive area
 // (past the R M slots) and put from there. The blocks count themselves done (the combine's counter,
@@ -28,8 +29,8 @@
 // kCombineGroup chunks) sums the token's terms.
 
 constexpr int kPushTopk = 11;  // selections a token has in the push area (goep/lowlatency's MaxTopk)
-constexpr int kMsgRound = kThreads / kPushTopk < 32 ? kThreads / kPushTopk : 32;  // messages a block locates at once
-static_assert(kTopk <= kPushTopk && kMsgRound >= 1, "a thread a selection of a round");
+constexpr int kMsgRound = 32;  // messages a block locates at once (a warp a message)
+static_assert(kTopk <= kPushTopk && kPushTopk <= 32, "a lane a selection");
 
 PYEP_DEVICE u64 push_entries(const LLParams& p) { return p.off_push + (8 * static_cast<u64>(p.num_ranks) + 127) / 128 * 128; }
 
@@ -129,8 +130,7 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
     PYEP_SHARED(i32, s_dok, kThreads);                  // whether rank d may be written (d < kThreads)
     PYEP_SHARED(i32, s_n, kMsgRound);                   // the round's message m: its selections here (0: no row),
     PYEP_SHARED(u64, s_dst, kMsgRound);                 // where its row goes (this rank's stage for a remote rank),
-    PYEP_SHARED(i32, s_j, kMsgRound * kPushTopk);       // and its selections' local experts,
-    PYEP_SHARED(float, s_w, kMsgRound * kPushTopk);     // weights,
+    PYEP_SHARED(float, s_w, kMsgRound * kPushTopk);     // and its selections' weights
     PYEP_SHARED(i64, s_row, kMsgRound * kPushTopk);     // and rows of x (-1: none)
     const int R = p.num_ranks, L = p.num_experts / R, M = p.max_tokens, G = static_cast<int>(gridDim.x), me = p.rank;
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = lane_id(), b = static_cast<int>(blockIdx.x);
@@ -155,47 +155,46 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
     for (int a = 0; a < i1 - i0; a += kMsgRound) {
         const int n = i1 - i0 - a < kMsgRound ? i1 - i0 - a : kMsgRound;
         __syncthreads();  // the previous round's readers are done with the shared arrays
-        if (tid < n) {
-            const int i = message(a + tid), t = i / R, s = i % R;
+        // A warp a message, a lane a selection: no barrier between a message's steps, so this rank's own messages
+        // are located while the warps of the peers' wait for their pushes.
+        for (int m = warp; m < n; m += kWarps) {  // warp-uniform
+            const int i = message(a + m), t = i / R, s = i % R;
             int cnt = 0;
             u64 dst = 0;
             if (dest_ok(s)) {
                 int Ts = p.num_tokens;
                 if (s != me) {
-                    const u64* f = reinterpret_cast<const u64*>(local(p) + p.off_push) + s;
-                    u64 v = 0, spent;
-                    Ts = thread_wait(p, s, kWaitPush, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; }, spent)
-                             ? static_cast<int>(static_cast<u32>(v))
-                             : 0;
+                    if (lane == 0) {
+                        const u64* f = reinterpret_cast<const u64*>(local(p) + p.off_push) + s;
+                        u64 v = 0, spent;
+                        Ts = thread_wait(p, s, kWaitPush, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; }, spent)
+                                 ? static_cast<int>(static_cast<u32>(v))
+                                 : 0;
+                    }
+                    Ts = __shfl_sync(0xffffffffu, Ts, 0);
                 }
-                // Every selection's load issued before the first is used (one round trip, not one a selection).
-                const i64* pushed = reinterpret_cast<const i64*>(local(p) + push_entries(p)) + (static_cast<i64>(s) * M + t) * kPushTopk;
-                i64 e[kPushTopk];
-                float w[kPushTopk];
-#pragma unroll
-                for (int k = 0; k < kPushTopk; k++) {
-                    e[k] = -1, w[k] = 0;
-                    if (t >= Ts) continue;
-                    if (s != me) e[k] = ld_ring(pushed + k);
-                    else if (k < kTopk) e[k] = ld_nc(idx + static_cast<i64>(t) * kTopk + k), w[k] = ld_nc(wts + static_cast<i64>(t) * kTopk + k);
+                i64 g = -1;
+                float w = 0;
+                if (t < Ts && lane < kPushTopk) {
+                    if (s != me) {
+                        const i64 e = ld_ring(reinterpret_cast<const i64*>(local(p) + push_entries(p)) + (static_cast<i64>(s) * M + t) * kPushTopk + lane);
+                        g = static_cast<i32>(static_cast<u32>(e)), w = __int_as_float(static_cast<int>(e >> 32));
+                    } else if (lane < kTopk) {
+                        g = ld_nc(idx + static_cast<i64>(t) * kTopk + lane), w = ld_nc(wts + static_cast<i64>(t) * kTopk + lane);
+                    }
                 }
-#pragma unroll
-                for (int k = 0; k < kPushTopk; k++) {
-                    const i64 g = s == me ? e[k] : static_cast<i64>(static_cast<i32>(static_cast<u32>(e[k])));
-                    if (g < 0 || g >= p.num_experts || g / L != me) continue;
-                    s_j[tid * kPushTopk + cnt] = static_cast<i32>(g - static_cast<i64>(me) * L);
-                    s_w[tid * kPushTopk + cnt] = s == me ? w[k] : __int_as_float(static_cast<int>(e[k] >> 32));
-                    cnt++;
+                const bool on = g >= 0 && g < p.num_experts && g / L == me;
+                const u32 here = __ballot_sync(0xffffffffu, on);
+                cnt = __popc(here);
+                if (on) {  // the selection's place among the message's, in k order
+                    const int e = m * kPushTopk + __popc(here & ((1u << lane) - 1u));
+                    s_w[e] = w;
+                    s_row[e] = find_row(p, static_cast<int>(g - static_cast<i64>(me) * L), s, t);
                 }
                 const u64 slot = static_cast<u64>(is_remote(p, s) ? NM + s * M + t : me * M + t) * (2 * kHidden);
                 if (cnt > 0) dst = reinterpret_cast<u64>((is_remote(p, s) ? local(p) : region(p, s)) + p.off_recv + slot);
             }
-            s_n[tid] = cnt, s_dst[tid] = dst;
-        }
-        __syncthreads();
-        for (int q = tid; q < n * kPushTopk; q += kThreads) {
-            const int m = q / kPushTopk;
-            if (q % kPushTopk < s_n[m]) s_row[q] = find_row(p, s_j[q], message(a + m) % R, message(a + m) / R);
+            if (lane == 0) s_n[m] = cnt, s_dst[m] = dst;
         }
         __syncthreads();
         for (int it = warp; it < n * kChunks; it += kWarps) {
