@@ -196,7 +196,7 @@ PYEP_DEVICE void write_header(u8* head, u32 seq, int q, const i32* s_g, const i3
 // Send: a unit is a token. For a batch of its tokens, the block settles every selection (expert g
 // of token t, once however often t selected g): its slot at g is the number of tokens before t that
 // selected g, and its leg, the token's first selection of an expert on g's rank, which leads the
-// token's message to that rank (whether each rank may be written is asked once a block, while the bitmaps load). A leg's
+// token's message to that rank (whether the rank may be written is asked once a leg). A leg's
 // thread writes the message's header (its selections' entries) and places its body, then the warps
 // cast each chunk of every token once and write it into the body of every leg of the token. After a
 // barrier, every selection counts itself in g's counter (p.expert_sent), and the selection that
@@ -232,12 +232,6 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     u32* s_marks = dispatch_arena();
     const int W = (T + 31) / 32;
     const bool marked = E * W <= kMarkWords;  // block-uniform
-    // Whether each rank may be written (mask, acknowledgement), asked once a block by its last threads, whose loads
-    // overlap the bitmaps' (mark_selections' barriers, or the batch's first, publish them).
-    PYEP_SHARED(i32, s_dok, kThreads);
-    const int asker = kThreads - R > 0 ? kThreads - R : 0;
-    for (int d = tid - asker; d >= 0 && d < R && d < kThreads; d += kThreads) s_dok[d] = may_send(p, d, seq) ? 1 : 0;
-    auto dest_ok = [&](int d) { return d < kThreads ? s_dok[d] != 0 : may_send(p, d, seq); };
     if (marked && (b < T || owned > 0)) mark_selections(p, s_marks, W);
     for (int u0 = b, asked = 0; u0 < T || asked < owned; u0 += kBatch * G) {
         const int P = u0 < T ? batch_units(u0, T) : 0, S = P * kTopk;
@@ -267,10 +261,12 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
                 for (int k2 = k - 1; k2 >= 0; k2--)
                     if (d[k] >= 0 && d[k2] == d[k]) leg = k2;
                 s_leg[i * kTopk + k] = leg < 0 ? -1 : i * kTopk + leg;
-                s_slot[i * kTopk + k] = leg == k && dest_ok(d[k]) ? 1 : 0;  // a leg whose rank may be written
             }
         }
         for (int q = tid; q < own; q += kThreads) s_g[S + q] = b + (asked + q) * G, s_t[S + q] = 0, s_before[S + q] = 0, s_total[S + q] = 0;
+        __syncthreads();
+        // A thread a leg: whether its rank may be written (acknowledgements awaited side by side).
+        for (int s = tid; s < S; s += kThreads) s_slot[s] = s_leg[s] == s && may_send(p, s_g[s] / L, seq) ? 1 : 0;
         __syncthreads();
         PYEP_LL_STAMP(p, PYEP_LL_DS_SETTLED);
         if (marked)
@@ -281,7 +277,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         PYEP_LL_STAMP(p, PYEP_LL_DS_COUNTED);
         for (int q = tid; q < own; q += kThreads) {
             const int g = s_g[S + q];
-            if (s_total[S + q] == 0 && dest_ok(g / L)) signal_peer(p, g / L, flag(g), static_cast<u64>(seq) << 32);
+            if (s_total[S + q] == 0 && may_send(p, g / L, seq)) signal_peer(p, g / L, flag(g), static_cast<u64>(seq) << 32);
         }
         asked += own;
         if (P == 0) {  // block-uniform
