@@ -25,8 +25,11 @@
 // (rows [R][M] of 2H). A peer on another node gets its rows staged in this rank's own receive area
 // (past the R M slots) and put from there. The blocks count themselves done (the combine's counter,
 // p.expert_sent[0]); the last stores every peer's flag (word [this rank] of its combine flags).
-// Receive: every block waits for every unmasked rank's flag, then a warp an item (a token and
-// kCombineGroup chunks) sums the token's terms.
+// A hooked send waits for no push: a message whose source's push has not arrived is marked
+// deferred, and that peer's flag waits for the receive kernel (the hook).
+// Receive: the messages the send deferred first (the same blocks, the marked messages, waiting for
+// their pushes; then those peers' flags); then every block waits for every unmasked rank's flag,
+// and a warp an item (a token and kCombineGroup chunks) sums the token's terms.
 
 constexpr int kPushTopk = 11;  // selections a token has in the push area (goep/lowlatency's MaxTopk)
 constexpr int kMsgRound = 32;  // messages a block locates at once (a warp a message)
@@ -126,8 +129,38 @@ PYEP_DEVICE void reduce_chunk(const u16* x, int n, const i64* rows, const float*
     st_na(out, bf16x8(acc));
 }
 
-PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
-    PYEP_SHARED(i32, s_dok, kThreads);                  // whether rank d may be written (d < kThreads)
+
+// The combine's counters (p.expert_sent, PYEP_LL_SENT_WORDS i32, zero between calls): the send's blocks done, the
+// messages a hooked send left to its receive hook (the deferred), those per token rank, then a bit a message.
+enum : int { kSentBlocks = 0, kSentDeferred = 1, kSentPerRank = 2 };
+PYEP_DEVICE i32* sent_words(const LLParams& p) { return reinterpret_cast<i32*>(p.expert_sent); }
+PYEP_DEVICE u32* deferred_bits(const LLParams& p) { return reinterpret_cast<u32*>(sent_words(p) + kSentPerRank + p.num_ranks); }
+PYEP_DEVICE bool can_defer(const LLParams& p) {
+    const i64 R = p.num_ranks;
+    return kSentPerRank + R + (R * p.max_tokens + 31) / 32 <= PYEP_LL_SENT_WORDS;
+}
+
+// Which ranks this rank may write in this call: may_send, read once a block for the first kThreads.
+struct Writable {
+    const LLParams& p;
+    u32 seq;
+    const i32* dok;
+};
+PYEP_DEVICE bool may_write(const Writable& w, int d) { return d < kThreads ? w.dok[d] != 0 : may_send(w.p, d, w.seq); }
+PYEP_DEVICE Writable load_writable(const LLParams& p, u32 seq, i32* s_dok) {
+    for (int d = static_cast<int>(threadIdx.x); d < p.num_ranks && d < kThreads; d += kThreads) s_dok[d] = may_send(p, d, seq) ? 1 : 0;
+    __syncthreads();
+    return Writable{p, seq, s_dok};
+}
+
+// How send_messages treats a peer's messages: kSendWaiting waits for the peer's push; kSendDeferring (a
+// hooked send) sends them if the push is there and else marks them deferred (bit, counts) for the
+// receive hook; kSendDeferred (the hook) sends the marked ones, waiting for their pushes.
+enum : int { kSendWaiting, kSendDeferring, kSendDeferred };
+
+// The block's messages (block b of G: [R M b / G, R M (b + 1) / G), this rank's own first: they
+// need no push, so their rounds run while the peers' pushes travel), kMsgRound at once.
+PYEP_DEVICE void send_messages(const LLParams& p, u32 seq, int pass, const Writable& writable) {
     PYEP_SHARED(i32, s_n, kMsgRound);                   // the round's message m: its selections here (0: no row),
     PYEP_SHARED(u64, s_dst, kMsgRound);                 // where its row goes (this rank's stage for a remote rank),
     PYEP_SHARED(float, s_w, kMsgRound * kPushTopk);     // and its selections' weights
@@ -137,15 +170,9 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
     const u16* x = p.zero_copy ? reinterpret_cast<const u16*>(local(p) + p.off_send) : reinterpret_cast<const u16*>(p.x);
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
     const float* wts = reinterpret_cast<const float*>(p.topk_weights);
-    auto dest_ok = [&](int d) { return d < kThreads ? s_dok[d] != 0 : may_send(p, d, seq); };
-    PYEP_LL_STAMP_START(p, PYEP_LL_CS_START, PYEP_LL_CS_FLAGGED);
-    for (int d = tid; d < R && d < kThreads; d += kThreads) s_dok[d] = may_send(p, d, seq) ? 1 : 0;
-    __syncthreads();
-    for (int d = b; d < R; d += G)  // block-uniform
-        if (d != me && dest_ok(d)) push_selections(p, d, seq);
-    PYEP_LL_STAMP(p, PYEP_LL_CS_ADMITTED);
+    i32* sent = sent_words(p);
+    u32* bits = deferred_bits(p);
     const int NM = R * M, i0 = static_cast<int>(static_cast<i64>(NM) * b / G), i1 = static_cast<int>(static_cast<i64>(NM) * (b + 1) / G);
-    // The block's messages, this rank's own first (they need no push: their rounds run while the peers' pushes travel).
     const int o0 = ((me - i0) % R + R) % R, own = i1 - i0 > o0 ? (i1 - i0 - o0 + R - 1) / R : 0;
     auto message = [&](int q) {
         if (q < own) return i0 + o0 + q * R;
@@ -159,17 +186,27 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
         // are located while the warps of the peers' wait for their pushes.
         for (int m = warp; m < n; m += kWarps) {  // warp-uniform
             const int i = message(a + m), t = i / R, s = i % R;
+            const u32 bit = 1u << (i % 32);
+            const bool marked = pass == kSendDeferred && (ld_volatile(bits + i / 32) & bit) != 0;
             int cnt = 0;
             u64 dst = 0;
-            if (dest_ok(s)) {
+            if ((pass != kSendDeferred || marked) && may_write(writable, s)) {
                 int Ts = p.num_tokens;
                 if (s != me) {
                     if (lane == 0) {
                         const u64* f = reinterpret_cast<const u64*>(local(p) + p.off_push) + s;
-                        u64 v = 0, spent;
-                        Ts = thread_wait(p, s, kWaitPush, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; }, spent)
-                                 ? static_cast<int>(static_cast<u32>(v))
-                                 : 0;
+                        u64 v = ld_acquire_sys(f), spent;
+                        auto pushed = [&] { return static_cast<u32>(v >> 32) == seq; };
+                        if (pass == kSendDeferring && !pushed()) {
+                            if (!masked(p, s)) {
+                                atomicOr(bits + i / 32, bit);
+                                atomicAdd(sent + kSentPerRank + s, 1);
+                                atomicAdd(sent + kSentDeferred, 1);
+                            }
+                        } else if (pushed() || thread_wait(p, s, kWaitPush, [&] { return (v = ld_acquire_sys(f)), pushed(); }, spent)) {
+                            Ts = static_cast<int>(static_cast<u32>(v));
+                        }
+                        if (!pushed()) Ts = 0;
                     }
                     Ts = __shfl_sync(0xffffffffu, Ts, 0);
                 }
@@ -194,6 +231,7 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
                 const u64 slot = static_cast<u64>(is_remote(p, s) ? NM + s * M + t : me * M + t) * (2 * kHidden);
                 if (cnt > 0) dst = reinterpret_cast<u64>((is_remote(p, s) ? local(p) : region(p, s)) + p.off_recv + slot);
             }
+            if (marked && lane == 0) atomicAnd(bits + i / 32, ~bit);  // for the next call
             if (lane == 0) s_n[m] = cnt, s_dst[m] = dst;
         }
         __syncthreads();
@@ -212,22 +250,53 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
             }
         }
     }
+}
+
+// After a block's messages (and its barrier): the blocks count themselves done, and the last stores
+// the flags of the peers whose rows are all written (word [this rank] of their combine flags):
+// after the send, those it deferred nothing for; after the hook's deferred pass, the others (whose
+// counts it clears for the next call).
+PYEP_DEVICE void signal_sent(const LLParams& p, u32 seq, bool deferred_pass, const Writable& writable) {
+    i32* sent = sent_words(p);
+    if (threadIdx.x != 0) return;
+    fence_acq_rel_sys();  // the block's rows before its count
+    if (atomicAdd(sent + kSentBlocks, 1) != static_cast<int>(gridDim.x) - 1) return;
+    fence_acq_rel_sys();  // every block's rows before the flags
+    st_volatile(sent + kSentBlocks, 0);  // for the next call (a later kernel)
+    const bool any = ld_volatile(sent + kSentDeferred) != 0;
+    // Every block's rows are ordered before this thread's fence: its stores need no release of their own.
+    for (int s = 0; s < p.num_ranks; s++) {
+        const bool later = any && ld_volatile(sent + kSentPerRank + s) != 0;
+        if (later == deferred_pass && may_write(writable, s) && !masked(p, s))
+            signal_peer<true>(p, s, reinterpret_cast<u64*>(region(p, s) + p.off_cflags) + p.rank, static_cast<u64>(seq) << 32 | 1u);
+        if (later && deferred_pass) st_volatile(sent + kSentPerRank + s, 0);
+    }
+    if (deferred_pass) st_volatile(sent + kSentDeferred, 0);
+}
+
+PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
+    PYEP_SHARED(i32, s_dok, kThreads);  // whether rank d may be written (d < kThreads)
+    PYEP_LL_STAMP_START(p, PYEP_LL_CS_START, PYEP_LL_CS_FLAGGED);
+    const Writable writable = load_writable(p, seq, s_dok);
+    for (int d = static_cast<int>(blockIdx.x); d < p.num_ranks; d += static_cast<int>(gridDim.x))  // block-uniform
+        if (d != p.rank && may_write(writable, d)) push_selections(p, d, seq);
+    PYEP_LL_STAMP(p, PYEP_LL_CS_ADMITTED);
+    // A hooked send waits for no peer's push: the hook sends what it could not.
+    send_messages(p, seq, (p.phases & kPhaseRecv) != 0 || !can_defer(p) ? kSendWaiting : kSendDeferring, writable);
     PYEP_LL_STAMP(p, PYEP_LL_CS_COPIED);
     __syncthreads();  // the block's rows are written (and its puts issued)
     PYEP_LL_STAMP(p, PYEP_LL_CS_WRITTEN);
-    i32* counter = reinterpret_cast<i32*>(p.expert_sent);
-    if (tid == 0) {
-        fence_acq_rel_sys();  // the block's rows before its count
-        const bool last = atomicAdd(counter, 1) == G - 1;
-        if (last) {
-            fence_acq_rel_sys();  // every block's rows before the flags
-            st_volatile(counter, 0);  // for the next call (a later kernel)
-        }
-        // Every block's rows are ordered before this thread's fence: its stores need no release of their own.
-        for (int s = 0; last && s < R; s++)
-            if (dest_ok(s) && !masked(p, s)) signal_peer<true>(p, s, reinterpret_cast<u64*>(region(p, s) + p.off_cflags) + me, static_cast<u64>(seq) << 32 | 1u);
-    }
+    signal_sent(p, seq, false, writable);
     PYEP_LL_STAMP(p, PYEP_LL_CS_FLAGGED);
+}
+
+// The receive hook's first step, when its send deferred messages: it sends them, then their flags.
+PYEP_DEVICE void send_deferred(const LLParams& p, u32 seq) {
+    PYEP_SHARED(i32, s_dok, kThreads);
+    const Writable writable = load_writable(p, seq, s_dok);
+    send_messages(p, seq, kSendDeferred, writable);
+    __syncthreads();
+    signal_sent(p, seq, true, writable);
 }
 
 // Receive: every block waits for every unmasked rank's flag (a thread each); the threads that
@@ -242,6 +311,8 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
     const int lane = lane_id(), R = p.num_ranks, E = p.num_experts, L = E / R, M = p.max_tokens;
     const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_cflags);
     PYEP_LL_STAMP_START(p, PYEP_LL_CR_START, PYEP_LL_CR_DONE);
+    if (ld_volatile(sent_words(p) + kSentDeferred) != 0) send_deferred(p, seq);  // every block reads it before any clears it
+    PYEP_LL_STAMP(p, PYEP_LL_CR_SENT);
     for (int s = static_cast<int>(threadIdx.x); s < R; s += kThreads) {
         if (masked(p, s)) continue;
         u64 spent;

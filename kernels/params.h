@@ -131,6 +131,8 @@ struct pyep_op_error {
 
 // ---- low-latency mode (low_latency.cu's LLParams, LLError) --------------------------------
 
+#define PYEP_LL_SENT_WORDS 16384  // i32 words of a send's counters (goep/cuda/lowlatency's llMaxExperts)
+
 struct pyep_ll_params {
     pyep_u64 peers;        // u64 [num_ranks]: every rank's region base, as mapped here (a remote peer's: its name for
                            // remote_put, remote.cuh)
@@ -139,8 +141,9 @@ struct pyep_ll_params {
     pyep_u64 timeout_ns;   // bound of every wait
     pyep_u64 calls;        // u64 [2]: calls received per half (this rank's engine memory)
     pyep_u64 counter;      // i32: blocks that started the receive (the last resets it; likewise)
-    pyep_u64 expert_sent;  // i32 [num_experts]: the send's counters (the last count resets each): a dispatch's
-                           // selections written per expert; a combine's blocks done, in [0]
+    pyep_u64 expert_sent;  // i32 [PYEP_LL_SENT_WORDS]: the send's counters (the last count resets each): a
+                           // dispatch's selections written per expert; a combine's blocks done and deferred
+                           // messages (low_latency_combine.cuh)
     pyep_u64 off_ack;      // u64 [2][R]: ack[h][p], written by p
     pyep_u64 off_mask;     // i32 [R]: 1 where a rank is masked (local)
     pyep_u64 off_dflags;   // u64 [E] of half h: dispatch flags at [j * R + src]
@@ -194,6 +197,7 @@ struct pyep_ll_error {
     X(CS_WRITTEN, "combine send", "written")    /* the block's barrier: every row written */     \
     X(CS_FLAGGED, "combine send", "flagged")    /* thread 0's fence and flag */                 \
     X(CR_START, "combine recv", "start")                                                         \
+    X(CR_SENT, "combine recv", "deferred")      /* the rows its hooked send deferred, sent */   \
     X(CR_FLAGS, "combine recv", "flags")        /* every expert's flag arrived */               \
     X(CR_SUMMED, "combine recv", "summed")      /* thread 0's warp summed its items */          \
     X(CR_DONE, "combine recv", "done")          /* the receive's end */

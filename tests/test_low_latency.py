@@ -302,6 +302,29 @@ def test_two_calls_await_their_hooks(buffer, rank, num_ranks):
     assert torch.equal(out.cpu(), ref_combine(b, rank, set(), E // R))
 
 
+def test_hooked_combine_send_waits_for_no_peer(buffer, group, rank, num_ranks):
+    """A hooked combine's send phase ends before any later rank has entered the combine: the ranks send in turn,
+    rank r + 1 only once rank r's send finished. The rows that waited for a later rank's top-k go with the hook,
+    and the sums are the same."""
+    R, E, M, H = num_ranks, EXPERTS_PER_RANK * num_ranks, 6, 256
+    buffer.clean_low_latency_buffer(M, H, E)
+    for seed in (40, 41):  # both halves
+        inp = make_inputs(seed, R, [M] * R, H, E, 4)
+        recv, count, handle, _, _, _ = dispatch(buffer, inp, rank, M, E, use_fp8=False)
+        y = expert_outputs(recv, handle, rank, E, R)
+        turn = torch.zeros(1, device=dev() if dist.get_backend(group) == "nccl" else "cpu")
+        if rank > 0:
+            dist.recv(turn, src=rank - 1, group=group)
+        out, _, hook = buffer.low_latency_combine(y, inp.topk[rank].to(dev()), inp.w[rank].to(dev()), handle,
+                                                  return_recv_hook=True)
+        if BACKEND == "cuda":
+            torch.cuda.synchronize()
+        if rank < R - 1:
+            dist.send(turn, dst=rank + 1, group=group)
+        hook()
+        assert torch.equal(out.cpu(), ref_combine(inp, rank, set(), E // R))
+
+
 def test_largest_token_count_and_beyond(group, rank, num_ranks):
     R, E, H = num_ranks, 2 * num_ranks, 128
     M = 64

@@ -67,11 +67,12 @@ func (a *CombineArgs) check(R int) error {
 // Combine runs a combine's send phase, combine by rank: at most one row per (token, rank)
 // crosses the link. This rank first pushes its tokens' selections (expert and weight, MaxTopk a
 // token) into the push area of every peer it may write, then, for every rank src (itself
-// included) whose selections have arrived, it sends each of src's tokens that selected its
-// experts one row: the received row itself if the token selected one of them, else its partial
-// sum in float32 of weight times row over those selections in k order, rounded to bf16 once. The
-// rows go to the token's slot [this rank][token] of src's recv area, then one flag at [this
-// rank]. The returned Recv weighs and sums the rows (combineRecv).
+// included), it sends each of src's tokens that selected its experts one row: the received row
+// itself if the token selected one of them, else its partial sum in float32 of weight times row
+// over those selections in k order, rounded to bf16 once. The rows go to the token's slot [this
+// rank][token] of src's recv area, then one flag at [this rank]. A peer whose selections have not
+// arrived yet is not waited for: the returned Recv sends its rows first (so a hooked send returns
+// whatever its peers do), then weighs and sums the rows (combineRecv).
 func (e *Engine) Combine(a *CombineArgs) (*Recv, error) {
 	if err := a.check(e.d.NumRanks); err != nil {
 		return nil, err
@@ -80,10 +81,21 @@ func (e *Engine) Combine(a *CombineArgs) (*Recv, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := e.combineSend(a, l, h, seq); err != nil {
+	s, err := e.combineSend(a, l, h, seq)
+	if err != nil {
 		return nil, err
 	}
-	return e.pend(h, seq, func() error { return e.combineRecv(a, l, h, seq) }), nil
+	return e.pend(h, seq, func() error {
+		for _, src := range s.later {
+			if err := s.send(src); err != nil {
+				return err
+			}
+		}
+		if err := e.unsignalled("low_latency_combine"); err != nil {
+			return err
+		}
+		return e.combineRecv(a, l, h, seq)
+	}), nil
 }
 
 // pushEntry is a selection as the push area holds it: the int32 expert in the low word, the
@@ -92,21 +104,38 @@ func pushEntry(g int64, w float32) uint64 {
 	return uint64(uint32(int32(g))) | uint64(math.Float32bits(w))<<32
 }
 
-func (e *Engine) combineSend(a *CombineArgs, l Layout, h int, seq uint32) error {
-	me, R, H, L, M := e.d.Rank, e.d.NumRanks, a.Hidden, l.NumLocalExperts, a.MaxTokens
+// combineSender is a combine's send phase; later are the peers whose rows wait for their
+// selections (sent by the receive).
+type combineSender struct {
+	e       *Engine
+	a       *CombineArgs
+	l       Layout
+	h       int
+	seq     uint32
+	rows    []uint16
+	mine    []uint64 // this rank's selections, as pushed
+	later   []int
+	zeros   []uint16
+	scratch []uint16
+	acc     []float32
+}
+
+func (e *Engine) combineSend(a *CombineArgs, l Layout, h int, seq uint32) (*combineSender, error) {
+	me, R, H, L := e.d.Rank, e.d.NumRanks, a.Hidden, l.NumLocalExperts
 	T, K, RM := a.NumTokens, a.NumTopk, R*a.MaxTokens
-	rows := a.X
+	s := &combineSender{e: e, a: a, l: l, h: h, seq: seq, rows: a.X,
+		zeros: make([]uint16, H), scratch: make([]uint16, H), acc: make([]float32, H)}
 	if a.ZeroCopy {
-		rows = unsafe.Slice((*uint16)(at(e.d.Regions[me], l.Send(h))), L*RM*H)
+		s.rows = unsafe.Slice((*uint16)(at(e.d.Regions[me], l.Send(h))), L*RM*H)
 	}
 	// This rank's selections, pushed to every peer it may write (and read from here for itself).
 	// The slice is fresh, so that a remote put reads it unchanged.
-	mine := make([]uint64, T*MaxTopk)
+	s.mine = make([]uint64, T*MaxTopk)
 	for t := range T {
 		for k := range MaxTopk {
-			mine[t*MaxTopk+k] = pushEntry(-1, 0)
+			s.mine[t*MaxTopk+k] = pushEntry(-1, 0)
 			if k < K {
-				mine[t*MaxTopk+k] = pushEntry(a.TopkIdx[t*K+k], a.TopkWeights[t*K+k])
+				s.mine[t*MaxTopk+k] = pushEntry(a.TopkIdx[t*K+k], a.TopkWeights[t*K+k])
 			}
 		}
 	}
@@ -114,102 +143,116 @@ func (e *Engine) combineSend(a *CombineArgs, l Layout, h int, seq uint32) error 
 	for dst := range R {
 		ok, err := e.awaitAck("low_latency_combine", l, h, seq, dst)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		writable[dst] = ok
 		if !ok || dst == me {
 			continue
 		}
 		if T > 0 {
-			e.write(dst, l.PushEntry(h, me, 0, 0), unsafe.Slice((*byte)(unsafe.Pointer(&mine[0])), 8*len(mine)))
+			e.write(dst, l.PushEntry(h, me, 0, 0), unsafe.Slice((*byte)(unsafe.Pointer(&s.mine[0])), 8*len(s.mine)))
 		}
 		e.signal(dst, l.PushFlag(h, me), flag(seq, uint32(T)))
 	}
 	// Then every rank's tokens that selected this rank's experts get their row back.
-	base := e.d.Regions[me]
-	zeros, scratch, acc := make([]uint16, H), make([]uint16, H), make([]float32, H)
 	for src := range R {
 		if !writable[src] {
 			continue
 		}
-		sel, Tsrc := mine, T
-		if src != me {
-			fw := e.word(me, l.PushFlag(h, src))
-			ok, _, err := e.wait(src, func() string {
-				return fmt.Sprintf("low_latency_combine: waiting for rank %d's top-k (call %d)", src, seq)
-			}, func() bool { return uint32(fw.Load()>>32) == seq })
-			if err != nil {
-				return err
-			}
-			if !ok {
-				continue
-			}
-			Tsrc = int(uint32(fw.Load()))
-			if Tsrc > M {
-				return fmt.Errorf("low_latency_combine: pyep internal error: rank %d pushed %d tokens, more than %d", src, Tsrc, M)
-			}
-			sel = unsafe.Slice((*uint64)(at(base, l.PushEntry(h, src, 0, 0))), Tsrc*MaxTopk)
+		if src != me && uint32(e.word(me, l.PushFlag(h, src)).Load()>>32) != seq && !e.Masked(src) {
+			s.later = append(s.later, src)
+			continue
 		}
-		// rowOf[j*Tsrc + t]: the row of src's token t at local expert j (-1: none).
-		rowOf := make([]int32, L*Tsrc)
-		for i := range rowOf {
-			rowOf[i] = -1
+		if err := s.send(src); err != nil {
+			return nil, err
 		}
-		for j := range L {
-			v := a.LayoutRange[j*R+src]
-			begin, n := int(v>>32), int(int32(v))
-			for i := range n {
-				row := j*RM + begin + i
-				if t := int(a.SrcInfo[row]); t < Tsrc {
-					rowOf[j*Tsrc+t] = int32(row)
-				}
-			}
-		}
-		for t := range Tsrc {
-			var ks [MaxTopk]int
-			n := 0
-			for k, v := range sel[t*MaxTopk : (t+1)*MaxTopk] {
-				if g := int(int32(uint32(v))); g >= 0 && g < a.NumExperts && g/L == me {
-					ks[n] = k
-					n++
-				}
-			}
-			var out []uint16
-			switch n {
-			case 0:
-				continue
-			case 1:
-				v := sel[t*MaxTopk+ks[0]]
-				out = zeros
-				if row := rowOf[(int(int32(uint32(v)))-me*L)*Tsrc+t]; row >= 0 {
-					out = rows[int(row)*H : (int(row)+1)*H]
-				}
-			default:
-				clear(acc)
-				for _, k := range ks[:n] {
-					v := sel[t*MaxTopk+k]
-					row := rowOf[(int(int32(uint32(v)))-me*L)*Tsrc+t]
-					if row < 0 {
-						continue
-					}
-					w := math.Float32frombits(uint32(v >> 32))
-					for c, x := range rows[int(row)*H : (int(row)+1)*H] {
-						acc[c] += float32(bf16ToF32(x) * w)
-					}
-				}
-				out = scratch
-				if e.remote(src) {
-					out = make([]uint16, H)
-				}
-				for c, v := range acc {
-					out[c] = f32ToBF16(v)
-				}
-			}
-			e.write(src, l.CombineSlot(h, me, t), unsafe.Slice((*byte)(unsafe.Pointer(&out[0])), 2*H))
-		}
-		e.signal(src, l.CombineFlags(h)+8*int64(me), flag(seq, 1))
 	}
-	return e.unsignalled("low_latency_combine")
+	return s, e.unsignalled("low_latency_combine")
+}
+
+// send sends rank src its tokens' rows from this rank, then its flag; a peer's once its
+// selections arrived (waiting for them), none if it is masked.
+func (s *combineSender) send(src int) error {
+	e, a, l, h, seq := s.e, s.a, s.l, s.h, s.seq
+	me, R, H, L, M := e.d.Rank, e.d.NumRanks, a.Hidden, l.NumLocalExperts, a.MaxTokens
+	RM, rows, zeros, scratch, acc := R*M, s.rows, s.zeros, s.scratch, s.acc
+	sel, Tsrc := s.mine, a.NumTokens
+	if src != me {
+		fw := e.word(me, l.PushFlag(h, src))
+		ok, _, err := e.wait(src, func() string {
+			return fmt.Sprintf("low_latency_combine: waiting for rank %d's top-k (call %d)", src, seq)
+		}, func() bool { return uint32(fw.Load()>>32) == seq })
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return nil
+		}
+		Tsrc = int(uint32(fw.Load()))
+		if Tsrc > M {
+			return fmt.Errorf("low_latency_combine: pyep internal error: rank %d pushed %d tokens, more than %d", src, Tsrc, M)
+		}
+		sel = unsafe.Slice((*uint64)(at(e.d.Regions[me], l.PushEntry(h, src, 0, 0))), Tsrc*MaxTopk)
+	}
+	// rowOf[j*Tsrc + t]: the row of src's token t at local expert j (-1: none).
+	rowOf := make([]int32, L*Tsrc)
+	for i := range rowOf {
+		rowOf[i] = -1
+	}
+	for j := range L {
+		v := a.LayoutRange[j*R+src]
+		begin, n := int(v>>32), int(int32(v))
+		for i := range n {
+			row := j*RM + begin + i
+			if t := int(a.SrcInfo[row]); t < Tsrc {
+				rowOf[j*Tsrc+t] = int32(row)
+			}
+		}
+	}
+	for t := range Tsrc {
+		var ks [MaxTopk]int
+		n := 0
+		for k, v := range sel[t*MaxTopk : (t+1)*MaxTopk] {
+			if g := int(int32(uint32(v))); g >= 0 && g < a.NumExperts && g/L == me {
+				ks[n] = k
+				n++
+			}
+		}
+		var out []uint16
+		switch n {
+		case 0:
+			continue
+		case 1:
+			v := sel[t*MaxTopk+ks[0]]
+			out = zeros
+			if row := rowOf[(int(int32(uint32(v)))-me*L)*Tsrc+t]; row >= 0 {
+				out = rows[int(row)*H : (int(row)+1)*H]
+			}
+		default:
+			clear(acc)
+			for _, k := range ks[:n] {
+				v := sel[t*MaxTopk+k]
+				row := rowOf[(int(int32(uint32(v)))-me*L)*Tsrc+t]
+				if row < 0 {
+					continue
+				}
+				w := math.Float32frombits(uint32(v >> 32))
+				for c, x := range rows[int(row)*H : (int(row)+1)*H] {
+					acc[c] += float32(bf16ToF32(x) * w)
+				}
+			}
+			out = scratch
+			if e.remote(src) {
+				out = make([]uint16, H)
+			}
+			for c, v := range acc {
+				out[c] = f32ToBF16(v)
+			}
+		}
+		e.write(src, l.CombineSlot(h, me, t), unsafe.Slice((*byte)(unsafe.Pointer(&out[0])), 2*H))
+	}
+	e.signal(src, l.CombineFlags(h)+8*int64(me), flag(seq, 1))
+	return nil
 }
 
 // combineRecv waits for every unmasked rank's rows and sums, for each token, the terms of the

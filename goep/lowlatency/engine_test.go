@@ -427,9 +427,24 @@ func TestShapeChangeNeedsClean(t *testing.T) {
 // them with comb's selections and weights (in's, or with selections repeated), on every rank.
 func combineRound(t *testing.T, g *group, s Shape, K int, in, comb []rankInput, expert func(g int, x []uint16) []uint16) [][]uint16 {
 	t.Helper()
+	return combineCalls(t, g, s, K, in, comb, expert, false)
+}
+
+// combineCalls runs a dispatch and a combine on every rank; with sendsInTurn the combines' send
+// phases run one rank after another, rank 0 first, and only then their receives, as hooks would.
+func combineCalls(t *testing.T, g *group, s Shape, K int, in, comb []rankInput, expert func(g int, x []uint16) []uint16,
+	sendsInTurn bool) [][]uint16 {
+	t.Helper()
 	R := len(g.engines)
 	L, RM, H := s.NumExperts/R, R*s.MaxTokens, s.Hidden
 	outs := make([][]uint16, R)
+	args := make([]*CombineArgs, R)
+	recvs := make([]*Recv, R)
+	send := func(r int, e *Engine) error {
+		var err error
+		recvs[r], err = e.Combine(args[r])
+		return err
+	}
 	errs := g.each(func(r int, e *Engine) error {
 		a := dispatchArgs(s, R, K, in[r], false, false, false)
 		recv, err := e.Dispatch(a)
@@ -447,15 +462,26 @@ func combineRound(t *testing.T, g *group, s Shape, K int, in, comb []rankInput, 
 			}
 		}
 		outs[r] = make([]uint16, in[r].T*H)
-		recv, err = e.Combine(&CombineArgs{Shape: s, NumTokens: in[r].T, NumTopk: K, X: x, SrcInfo: a.SrcInfo,
-			LayoutRange: a.LayoutRange, TopkIdx: comb[r].topk, TopkWeights: comb[r].w, Out: outs[r]})
-		if err != nil {
+		args[r] = &CombineArgs{Shape: s, NumTokens: in[r].T, NumTopk: K, X: x, SrcInfo: a.SrcInfo,
+			LayoutRange: a.LayoutRange, TopkIdx: comb[r].topk, TopkWeights: comb[r].w, Out: outs[r]}
+		if sendsInTurn {
+			return nil
+		}
+		if err := send(r, e); err != nil {
 			return err
 		}
-		return recv.Finish()
+		return recvs[r].Finish()
 	})
 	for _, err := range errs {
 		require.NoError(t, err)
+	}
+	if sendsInTurn {
+		for r, e := range g.engines {
+			require.NoError(t, send(r, e), "rank %d's send, its peers' not called yet", r)
+		}
+		for _, err := range g.each(func(r int, e *Engine) error { return recvs[r].Finish() }) {
+			require.NoError(t, err)
+		}
 	}
 	return outs
 }
@@ -528,8 +554,9 @@ func TestCombineByRank(t *testing.T) {
 	}
 }
 
-// The combine's send phase waits for every peer's selections: a peer that does not call is
-// masked (shrink) or named.
+// The combine's send phase waits for no peer's selections: its receive sends the rows of the
+// peers whose selections came late, first waiting for them; a peer that does not call is masked
+// (shrink) or named.
 func TestCombineWaitsForTheTopk(t *testing.T) {
 	s := Shape{MaxTokens: 2, Hidden: 128, NumExperts: 4}
 	for _, shrink := range []bool{true, false} {
@@ -537,6 +564,8 @@ func TestCombineWaitsForTheTopk(t *testing.T) {
 		a := &CombineArgs{Shape: s, NumTokens: 1, NumTopk: 2, X: make([]uint16, 2*4*128), SrcInfo: make([]int32, 2*4),
 			LayoutRange: make([]int64, 2*2), TopkIdx: []int64{0, 3}, TopkWeights: []float32{1, 1}, Out: make([]uint16, 128)}
 		recv, err := g.engines[0].Combine(a)
+		require.NoError(t, err)
+		err = recv.Finish()
 		if !shrink {
 			require.ErrorIs(t, err, ErrTimeout)
 			assert.ErrorContains(t, err, "waiting for rank 1's top-k (call 1)")
@@ -544,7 +573,20 @@ func TestCombineWaitsForTheTopk(t *testing.T) {
 		}
 		require.NoError(t, err)
 		assert.Equal(t, []int{1}, g.engines[0].TimedOut())
-		require.NoError(t, recv.Finish())
 		assert.Equal(t, make([]uint16, 128), a.Out) // expert 0 had no row for the token
+	}
+}
+
+// Send phases that run one rank after another (hooked sends, each returning before the next
+// rank's begins) and receives after them give the same sums.
+func TestCombineSendsInTurn(t *testing.T) {
+	const R, K, M, H = 3, 5, 4, 128
+	s := Shape{MaxTokens: M, Hidden: H, NumExperts: 6}
+	g := newGroup(t, R, s, false, 5*time.Second)
+	rng := rand.New(rand.NewPCG(7, 8))
+	in := inputs(rng, R, K, s, []int{M, 3, M})
+	outs := combineCalls(t, g, s, K, in, in, scaled, true)
+	for r := range R {
+		assert.Equal(t, refCombine(in[r], K, 2, H, nil, scaled), outs[r], "rank %d", r)
 	}
 }

@@ -324,7 +324,8 @@ class LowLatencyMixin:
             use_logfmt: whether rows travel in a 10-bit logarithmic format with a dynamic scale per 64 channels.
             zero_copy: whether `x` was already written into `get_next_low_latency_combine_buffer(handle)`.
             async_finish: whether to return an event instead of making the current stream wait.
-            return_recv_hook: whether to only issue the sends and return a hook that receives.
+            return_recv_hook: whether to only issue the sends and return a hook that receives. The send waits for no
+                peer: the rows for a peer that has not entered its combine yet are sent by the hook.
             out: `[num_combined_tokens, hidden]` with `torch.bfloat16`, written and returned when given.
             combine_wait_recv_cost_stats: `[num_ranks]` with `torch.int64`, to which the time spent waiting for each
                 rank's rows is added, in nanoseconds, or None.

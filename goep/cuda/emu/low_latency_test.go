@@ -396,6 +396,7 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 			}
 			return rv.Finish()
 		}))
+		calls := make([]*goep.LLCall, c.R)
 		noErrors(t, calling(func(r int) error {
 			g := gpu[r].env
 			_, idx, _ := c.inputs(r, round)
@@ -407,11 +408,31 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 				rows[i] = uint16((i*7 + r*13 + round) % 9000)
 			}
 			x := g.upload(t, dlpack.BF16, bytesOf(rows), int64(len(rows)))
-			call := &goep.LLCall{Shape: shape, NumTokens: T, NumTopk: c.K, X: addr(x), TopkIdx: addr(cidx),
+			calls[r] = &goep.LLCall{Shape: shape, NumTokens: T, NumTopk: c.K, X: addr(x), TopkIdx: addr(cidx),
 				TopkWeights: addr(da[r].w), SrcInfo: addr(da[r].src), LayoutRange: addr(da[r].rng), Out: addr(da[r].out), Hook: c.hook}
-			rv, err := gpu[r].ll.Launch(true, call)
-			if err != nil || rv == nil {
-				return err
+			return nil
+		}))
+		// Hooked, the send phases run one rank after another (the emulator runs a kernel when it is
+		// launched), so a rank's send finds the pushes of the ranks before it only and defers the
+		// others' rows to its hook; then the hooks.
+		recvs := make([]goep.LLReceive, c.R)
+		for r := range c.R {
+			if c.hook && r != c.drop-1 {
+				var err error
+				recvs[r], err = gpu[r].ll.Launch(true, calls[r])
+				require.NoError(t, err, "rank %d round %d: hooked combine send", r, round)
+			}
+		}
+		noErrors(t, calling(func(r int) error {
+			rv := recvs[r]
+			if !c.hook {
+				var err error
+				if rv, err = gpu[r].ll.Launch(true, calls[r]); err != nil {
+					return err
+				}
+			}
+			if rv == nil {
+				return nil
 			}
 			return rv.Finish(0)
 		}))

@@ -38,11 +38,12 @@ const (
 	// llLocalBytes: calls [2]u64, then the receive's block counter (i32), from llPendingOff the
 	// calls received but not yet acknowledged ([2]u32, a half each), then from llSentOff the
 	// dispatch send's counters, an i32 per expert (llMaxExperts), then the combine send's (its
-	// blocks done, in the first; the room of as many). Zero at the start and after clean; a kernel
-	// leaves them zero. A kernel finds its own as p.expert_sent.
+	// blocks done, the messages a hooked send deferred to its hook: kernels/low_latency_combine.cuh;
+	// the room of as many). Zero at the start and after clean; a kernel leaves them zero. A kernel
+	// finds its own as p.expert_sent.
 	llPendingOff     = 24
 	llSentOff        = 32
-	llMaxExperts     = 1 << 14
+	llMaxExperts     = llSentWords
 	llCombineSentOff = llSentOff + 4*llMaxExperts
 	llLocalBytes     = llCombineSentOff + 4*llMaxExperts
 )
