@@ -349,8 +349,10 @@ def test_bench_replot(tiny_report, tmp_path):
     except ImportError:
         assert again["plots"] == [] and "matplotlib" in again["plots_skipped"]
         return
-    assert again["plots"] == ["gbps_vs_tokens.png"] and again["plots_skipped"] is None
-    assert (tmp_path / "gbps_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # GB/s of the normal-mode ops, and µs of the low-latency ones (the tiny run has both).
+    assert again["plots"] == ["gbps_vs_tokens.png", "ll_us_vs_tokens.png"] and again["plots_skipped"] is None
+    for name in again["plots"]:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_tuning_round_trip(tiny_report, monkeypatch):
