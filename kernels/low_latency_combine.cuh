@@ -311,7 +311,8 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
     const int lane = lane_id(), R = p.num_ranks, E = p.num_experts, L = E / R, M = p.max_tokens;
     const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_cflags);
     PYEP_LL_STAMP_START(p, PYEP_LL_CR_START, PYEP_LL_CR_DONE);
-    if (ld_volatile(sent_words(p) + kSentDeferred) != 0) send_deferred(p, seq);  // every block reads it before any clears it
+    // Only a hook (a receive launched alone) has deferred messages; every block reads the count before any clears it.
+    if ((p.phases & kPhaseSend) == 0 && ld_volatile(sent_words(p) + kSentDeferred) != 0) send_deferred(p, seq);
     PYEP_LL_STAMP(p, PYEP_LL_CR_SENT);
     for (int s = static_cast<int>(threadIdx.x); s < R; s += kThreads) {
         if (masked(p, s)) continue;
