@@ -254,16 +254,18 @@ PYEP_DEVICE void send_messages(const LLParams& p, u32 seq, int pass, const Writa
 
 // After a block's messages (and its barrier): the blocks count themselves done, and the last stores
 // the flags of the peers whose rows are all written (word [this rank] of their combine flags):
-// after the send, those it deferred nothing for; after the hook's deferred pass, the others (whose
-// counts it clears for the next call).
-PYEP_DEVICE void signal_sent(const LLParams& p, u32 seq, bool deferred_pass, const Writable& writable) {
+// after the send, those it deferred nothing for (every one after a kSendWaiting pass: no count to
+// read on the last block's path); after the hook's deferred pass, the others (whose counts it
+// clears for the next call).
+PYEP_DEVICE void signal_sent(const LLParams& p, u32 seq, int pass, const Writable& writable) {
+    const bool deferred_pass = pass == kSendDeferred;
     i32* sent = sent_words(p);
     if (threadIdx.x != 0) return;
     fence_acq_rel_sys();  // the block's rows before its count
     if (atomicAdd(sent + kSentBlocks, 1) != static_cast<int>(gridDim.x) - 1) return;
     fence_acq_rel_sys();  // every block's rows before the flags
     st_volatile(sent + kSentBlocks, 0);  // for the next call (a later kernel)
-    const bool any = ld_volatile(sent + kSentDeferred) != 0;
+    const bool any = pass != kSendWaiting && ld_volatile(sent + kSentDeferred) != 0;
     // Every block's rows are ordered before this thread's fence: its stores need no release of their own.
     for (int s = 0; s < p.num_ranks; s++) {
         const bool later = any && ld_volatile(sent + kSentPerRank + s) != 0;
@@ -282,11 +284,12 @@ PYEP_DEVICE void combine_send(const LLParams& p, u32 seq) {
         if (d != p.rank && may_write(writable, d)) push_selections(p, d, seq);
     PYEP_LL_STAMP(p, PYEP_LL_CS_ADMITTED);
     // A hooked send waits for no peer's push: the hook sends what it could not.
-    send_messages(p, seq, (p.phases & kPhaseRecv) != 0 || !can_defer(p) ? kSendWaiting : kSendDeferring, writable);
+    const int pass = (p.phases & kPhaseRecv) != 0 || !can_defer(p) ? kSendWaiting : kSendDeferring;
+    send_messages(p, seq, pass, writable);
     PYEP_LL_STAMP(p, PYEP_LL_CS_COPIED);
     __syncthreads();  // the block's rows are written (and its puts issued)
     PYEP_LL_STAMP(p, PYEP_LL_CS_WRITTEN);
-    signal_sent(p, seq, false, writable);
+    signal_sent(p, seq, pass, writable);
     PYEP_LL_STAMP(p, PYEP_LL_CS_FLAGGED);
 }
 
@@ -296,7 +299,7 @@ PYEP_DEVICE void send_deferred(const LLParams& p, u32 seq) {
     const Writable writable = load_writable(p, seq, s_dok);
     send_messages(p, seq, kSendDeferred, writable);
     __syncthreads();
-    signal_sent(p, seq, true, writable);
+    signal_sent(p, seq, kSendDeferred, writable);
 }
 
 // Receive: every block waits for every unmasked rank's flag (a thread each); the threads that
