@@ -129,7 +129,6 @@ PYEP_DEVICE void reduce_chunk(const u16* x, int n, const i64* rows, const float*
     st_na(out, bf16x8(acc));
 }
 
-
 // The combine's counters (p.expert_sent, PYEP_LL_SENT_WORDS i32, zero between calls): the send's blocks done, the
 // messages a hooked send left to its receive hook (the deferred), those per token rank, then a bit a message.
 enum : int { kSentBlocks = 0, kSentDeferred = 1, kSentPerRank = 2 };
