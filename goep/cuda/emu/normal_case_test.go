@@ -274,6 +274,9 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) *caseRounds {
 	// xor n * (0x35 + 0x11 s), so that no round's rows are another's) on the ranks of only.
 	mask := func(round, s int) byte { return byte(round * (0x35 + 0x11*s)) }
 	rounds := &caseRounds{}
+	for _, d := range rd {
+		rounds.inRank = append(rounds.inRank, d.inRank)
+	}
 	cachedRound := func(round int, only ...int) []error {
 		xs, cached := make([]dev, R), make([]dev, R)
 		for r, e := range envs {
@@ -359,10 +362,12 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) *caseRounds {
 // a combine (from round 1 on, inputs that differ from every other round's) on the ranks of only
 // (every rank if none), each rank's error returned. When every rank made the call and none
 // failed, the outputs are checked bit for bit against the reference's. before, if set, runs in
-// each rank's goroutine before its call.
+// each rank's goroutine before its call. inRank is each rank's is_token_in_rank, which the cached
+// dispatches read.
 type caseRounds struct {
 	cached, combine func(round int, only ...int) []error
 	before          func(r int)
+	inRank          []dev
 }
 
 type queuedIn struct {

@@ -181,6 +181,30 @@ func TestEmulatedErrors(t *testing.T) {
 	assert.Contains(t, errs[0].Error(), "failed earlier")
 }
 
+// TestEmulatedInRankMismatch: a cached dispatch whose is_token_in_rank routes another count of a
+// channel's tokens than its channel_prefix_matrix says (the caller changed it after the dispatch)
+// fails, and the next call of each rank says why: the rank at fault names the destination, the
+// rank itself (whose own tokens skip the rings) or its peer.
+func TestEmulatedInRankMismatch(t *testing.T) {
+	c := rcase{R: 2, T: 40, E: 8, K: 4, hidden: 256, dtype: bf16, cfg: cfg(4, 2, 8), align: 1}
+	for _, dst := range []int{0, 1} {
+		t.Run(fmt.Sprintf("to_rank_%d", dst), func(t *testing.T) {
+			envs := newDomain(t, c.R, 8<<20)
+			rounds := runCase(t, envs, c)
+			rounds.inRank[0].b[dst] ^= 1 // token 0 of rank 0, to dst
+			noErrors(t, rounds.cached(1, 0, 1)) // queued: the failure is the next call's
+			errs := rounds.cached(2, 0, 1)
+			require.Error(t, errs[0])
+			t.Log(errs[0])
+			assert.Contains(t, errs[0].Error(), fmt.Sprintf(
+				"dispatch: rank 0 channel 0: is_token_in_rank routes other tokens to rank %d than channel_prefix_matrix says", dst))
+			require.Error(t, errs[1])
+			t.Log(errs[1])
+			assert.Contains(t, errs[1].Error(), "stopped because rank 0 found")
+		})
+	}
+}
+
 // Four ranks at a GPU run's shape: DeepEP's config of 20 SMs, hidden 2880.
 func TestEmulatedFourRanks(t *testing.T) {
 	if testing.Short() {
