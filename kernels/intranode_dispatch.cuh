@@ -12,11 +12,15 @@
 // (dispatch_local), one copy instead of two.
 
 // 1, the default: a rank's own tokens skip the rings (dispatch_local). PYEP_LOCAL_DIRECT=0 sends
-// them through this rank's own rings like a peer's, for comparison (2x H200, 4096 tokens, hidden
-// 7168, 24 SMs: BF16 dispatch 428 GB/s through the rings, 461 without). The combine keeps a
-// rank's own rows in its rings: with its reducers reading them from x instead, it fell from 421
-// to 368 GB/s (its reducers bound it; a row its sender has just written to the ring is likely
-// still in L2, x's comes from HBM).
+// them through this rank's own rings like a peer's, for comparison. 4096 tokens, hidden 7168, 24
+// SMs, µs through the rings -> without (bench/results/h200x2-2026-11-26-local):
+//   2x H200: BF16 273 -> 253, FP8 199 -> 178, cached 251 -> 231 (half the rows are a rank's own);
+//   4x H200: BF16 610 -> 615, FP8 313 -> 324, cached 602 -> 570 (a quarter; the fabric bounds
+//   it). Only the sending block's group copying them: 631, 307, 591; only the receiving
+//   block's: 620, 334, 580.
+// The combine keeps a rank's own rows in its rings: with its reducers reading them from x
+// instead, it fell from 421 to 368 GB/s at 2 ranks (its reducers bound it; a row its sender has
+// just written to the ring is likely still in L2, x's comes from HBM).
 #ifndef PYEP_LOCAL_DIRECT
 #define PYEP_LOCAL_DIRECT 1
 #endif
