@@ -33,6 +33,9 @@ func TestEmulatedRoundTrip(t *testing.T) {
 			combineDT: bf16, bias: 0},
 		{name: "fp8_R2_column_major_scales", R: 2, T: 37, E: 8, K: 4, hidden: 256, dtype: dlpack.FP8E4M3, scales: 2,
 			colScales: true, scalePad: 3, cfg: cfg(4, 2, 8), align: 1, combineDT: bf16},
+		// 160 scales a row: a lane loads four before the row's copy, the 32 beyond them after it.
+		{name: "fp8_R2_160_scales", R: 2, T: 12, E: 8, K: 4, hidden: 160 * 128, dtype: dlpack.FP8E4M3, scales: 160,
+			colScales: true, cfg: cfg(4, 2, 8), align: 1, combineDT: bf16},
 		{name: "odd_hidden_R2", R: 2, T: 45, E: 4, K: 3, hidden: 99, dtype: bf16, cfg: cfg(4, 3, 10), align: 1, bias: 1},
 		{name: "f32_R2", R: 2, T: 30, E: 6, K: 4, hidden: 64, dtype: dlpack.F32, cfg: cfg(2, 2, 5), align: 1, bias: 2},
 		{name: "bf16_R3_silent", R: 3, T: 50, E: 9, K: 4, hidden: 256, dtype: bf16, cfg: cfg(4, 2, 8), align: 1, bias: 1, silent: 2},
