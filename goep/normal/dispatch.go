@@ -51,7 +51,8 @@ type DispatchArgs struct {
 }
 
 // Dispatch moves every token t of every rank to each rank dst with
-// IsTokenInRank[t][dst], through rings in the receivers' data regions. On
+// IsTokenInRank[t][dst], through rings in the receivers' data regions (a
+// rank's tokens for itself go straight into its rows, as in the kernel). On
 // the receiver, rows are ordered by source rank, then source token index:
 // row = RankPrefixMatrix[src-1][me] + (offset of the channel within src's
 // block) + (position within the channel's stream).
@@ -119,7 +120,7 @@ func Dispatch(d *Domain, a *DispatchArgs) error {
 		}
 		tasks := make([]task, 0, 2*C)
 		for ch := 0; ch < C; ch++ {
-			tasks = append(tasks, newDispatchSender(c, a, &lay, ch, counts), newDispatchReceiver(c, a, &lay, ch, recvCounts, rows))
+			tasks = append(tasks, newDispatchSender(c, a, &lay, ch, counts, rows[ch*R+me]), newDispatchReceiver(c, a, &lay, ch, recvCounts, rows))
 		}
 		return c.runTasks(tasks, d.workers(C))
 	}
@@ -352,16 +353,17 @@ type dispatchSender struct {
 	st         []stream
 	cur        []int // next token to examine, per destination
 	hi         int
+	ownRow     int64 // output row of this channel's first token for this rank itself
 	note       waitNote
 	finished   bool
 }
 
-func newDispatchSender(c *call, a *DispatchArgs, lay *ringLayout, ch int, counts []int64) *dispatchSender {
+func newDispatchSender(c *call, a *DispatchArgs, lay *ringLayout, ch int, counts []int64, ownRow int64) *dispatchSender {
 	R := c.R
 	lo, hi := channelRange(a.NumTokens, a.Config.NumChannels(), ch)
 	s := &dispatchSender{c: c, a: a, lay: lay, bufs: c.d.Buffers, ch: ch, R: R, me: c.me,
 		send: int64(a.Config.NumMaxNVLChunkedSendTokens), recv: int64(a.Config.NumMaxNVLChunkedRecvTokens),
-		st: make([]stream, R), cur: make([]int, R), hi: hi}
+		st: make([]stream, R), cur: make([]int, R), hi: hi, ownRow: ownRow}
 	if a.NumTopk > 0 {
 		s.epr = int64(a.NumExperts / R)
 	}
@@ -385,6 +387,15 @@ func (s *dispatchSender) step() (bool, error) {
 	progress, finished := false, true
 	for dst := range s.st {
 		st := &s.st[dst]
+		if dst == s.me {
+			if st.done < st.count {
+				if err := s.copyOwn(st); err != nil {
+					return false, err
+				}
+				progress = true
+			}
+			continue
+		}
 		for st.done < st.count {
 			want := min(s.send, st.count-st.done)
 			head := int64(st.head.Load())
@@ -393,27 +404,15 @@ func (s *dispatchSender) step() (bool, error) {
 				break
 			}
 			base := s.bufs[dst]
-			lo := int64(dst) * s.epr
 			for j := int64(0); j < want; j++ {
-				t := s.cur[dst]
-				for t < s.hi && !a.IsTokenInRank[t*R+dst] {
-					t++
+				t, err := s.next(dst)
+				if err != nil {
+					return false, err
 				}
-				if t >= s.hi { // cannot happen: counts come from the same scan
-					return false, s.c.chErrf(s.ch, ErrInvalid, "lost track of the tokens for rank %d (is_token_in_rank changed during the call?)", dst)
-				}
-				s.cur[dst] = t + 1
 				slot := (st.done + j) % s.recv
 				if K > 0 {
-					idx := unsafe.Slice((*int64)(unsafe.Add(base, lay.slotOff(dfTopk, st.ring, slot))), K)
-					w := unsafe.Slice((*float32)(unsafe.Add(base, lay.slotOff(dfWeight, st.ring, slot))), K)
-					for k := 0; k < K; k++ {
-						if e := a.TopkIdx[t*K+k] - lo; e >= 0 && e < s.epr {
-							idx[k], w[k] = e, a.TopkWeights[t*K+k]
-						} else {
-							idx[k], w[k] = -1, 0
-						}
-					}
+					s.localTopk(t, dst, unsafe.Slice((*int64)(unsafe.Add(base, lay.slotOff(dfTopk, st.ring, slot))), K),
+						unsafe.Slice((*float32)(unsafe.Add(base, lay.slotOff(dfWeight, st.ring, slot))), K))
 				}
 				*(*int32)(unsafe.Add(base, lay.slotOff(dfSrc, st.ring, slot))) = int32(t)
 				if sb > 0 {
@@ -433,6 +432,60 @@ func (s *dispatchSender) step() (bool, error) {
 	}
 	s.finished = finished
 	return progress, nil
+}
+
+// next is the channel's next token for dst.
+func (s *dispatchSender) next(dst int) (int, error) {
+	t := s.cur[dst]
+	for t < s.hi && !s.a.IsTokenInRank[t*s.R+dst] {
+		t++
+	}
+	if t >= s.hi { // cannot happen: counts come from the same scan
+		return 0, s.c.chErrf(s.ch, ErrInvalid, "lost track of the tokens for rank %d (is_token_in_rank changed during the call?)", dst)
+	}
+	s.cur[dst] = t + 1
+	return t, nil
+}
+
+// localTopk writes token t's top-k as dst's local experts: the index and weight where dst holds
+// the expert, -1 and 0 elsewhere.
+func (s *dispatchSender) localTopk(t, dst int, idx []int64, w []float32) {
+	a, K, lo := s.a, s.a.NumTopk, int64(dst)*s.epr
+	for k := 0; k < K; k++ {
+		if e := a.TopkIdx[t*K+k] - lo; e >= 0 && e < s.epr {
+			idx[k], w[k] = e, a.TopkWeights[t*K+k]
+		} else {
+			idx[k], w[k] = -1, 0
+		}
+	}
+}
+
+// copyOwn copies the channel's tokens for this rank itself straight into its output rows, as the
+// kernel does: no ring, one copy instead of two, and nothing to wait for.
+func (s *dispatchSender) copyOwn(st *stream) error {
+	a := s.a
+	hb, sb, K := int64(a.HiddenBytes), int64(a.ScalesBytes), int64(a.NumTopk)
+	for ; st.done < st.count; st.done++ {
+		t, err := s.next(s.me)
+		if err != nil {
+			return err
+		}
+		row := s.ownRow + st.done
+		copy(a.RecvX[row*hb:(row+1)*hb], a.X[int64(t)*hb:int64(t+1)*hb])
+		if sb > 0 {
+			a.copyScales(unsafe.Pointer(&a.RecvXScales[row*sb]), int64(t))
+		}
+		if a.RecvSrcIdx != nil {
+			a.RecvSrcIdx[row] = int32(t)
+		}
+		if K > 0 {
+			s.localTopk(t, s.me, a.RecvTopkIdx[row*K:(row+1)*K], a.RecvTopkWeights[row*K:(row+1)*K])
+		}
+		if a.SendHead != nil {
+			a.SendHead[t*s.R+s.me] = int32(st.done)
+		}
+	}
+	return nil
 }
 
 // dispatchReceiver copies what every source pushed on one channel into the
@@ -456,6 +509,10 @@ func newDispatchReceiver(c *call, a *DispatchArgs, lay *ringLayout, ch int, recv
 		recv: int64(a.Config.NumMaxNVLChunkedRecvTokens), st: make([]stream, R), row: make([]int64, R)}
 	for src := 0; src < R; src++ {
 		ring := ch*R + src
+		if src == c.me {
+			r.st[src] = stream{ring: ring} // this rank's sender writes its own rows
+			continue
+		}
 		r.st[src] = stream{ring: ring, count: recvCounts[ring],
 			tail: word(r.base, lay.tailOff(ring)), head: word(r.base, lay.headOff(ring))}
 		r.row[src] = rows[ring]
