@@ -194,7 +194,7 @@ func TestEmulatedInRankMismatch(t *testing.T) {
 		t.Run(fmt.Sprintf("to_rank_%d", dst), func(t *testing.T) {
 			envs := newDomain(t, c.R, 8<<20)
 			rounds := runCase(t, envs, c)
-			rounds.inRank[0].b[dst] ^= 1 // token 0 of rank 0, to dst
+			rounds.inRank[0].b[dst] ^= 1        // token 0 of rank 0, to dst
 			noErrors(t, rounds.cached(1, 0, 1)) // queued: the failure is the next call's
 			errs := rounds.cached(2, 0, 1)
 			require.Error(t, errs[0])
