@@ -124,15 +124,9 @@ PYEP_DEVICE void dispatch_send(const DispatchParams& p, int c, int d, int wg, in
     i32 lo, hi;
     channel_range(p.num_tokens, C, c, lo, hi);
     const u8* in_rank = reinterpret_cast<const u8*>(p.in_rank);
-    i32 count;
-    if (p.channel_prefix != 0) {
-        const i32* cp = reinterpret_cast<const i32*>(p.channel_prefix);
-        count = cp[d * C + c] - (c > 0 ? cp[d * C + c - 1] : 0);
-    } else {
-        i32 n = 0;
-        for (i32 t = lo + lane; t < hi; t += 32) n += in_rank[static_cast<i64>(t) * R + d] != 0 ? 1 : 0;
-        count = warp_sum(n);
-    }
+    // Every dispatch has the channel_prefix_matrix (notify's, or the handle's).
+    const i32* cp = reinterpret_cast<const i32*>(p.channel_prefix);
+    const i32 count = cp[d * C + c] - (c > 0 ? cp[d * C + c - 1] : 0);
     const int ring = c * R + me;
     const u32* head = head_word(ctx, me, c * R + d, wg);
     const u64 hdr = static_cast<u64>(count + 1) << 32;
