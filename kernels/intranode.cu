@@ -10,6 +10,8 @@
 //                  pyep_dispatch's blocks after it; the dispatch's constants.
 //   PYEP_COMBINE   pyep_combine; constants: PYEP_RANKS, PYEP_HIDDEN, PYEP_DTYPE (1 bf16,
 //                  2 fp16, 3 fp32), PYEP_TOPK, PYEP_VEC.
+// Dispatch and combine also take their shape, chosen per op and rank count by the host
+// (goep/cuda/normal/shape.go): PYEP_THREADS (the block size) and PYEP_COPY_UNROLL.
 //
 // pyep:defines PYEP_NOTIFY PYEP_RANKS=2
 // pyep:defines PYEP_NOTIFY PYEP_RANKS=8
@@ -215,7 +217,7 @@ PYEP_DEVICE void publish_tails(const Ctx& ctx, int c, const u64* s_tail, const i
     }
 }
 
-// Vectors in flight per lane when a warp copies a row (PYEP_COPY_UNROLL overrides, for tuning).
+// Vectors in flight per lane when a warp copies a row (the host sets PYEP_COPY_UNROLL: goep/cuda/normal/shape.go).
 #ifndef PYEP_COPY_UNROLL
 #define PYEP_COPY_UNROLL 8
 #endif

@@ -24,6 +24,20 @@ constexpr int kPerVec = kVec / kElem;  // elements per vector
 static_assert(kVec >= kElem && kRowBytes % kVec == 0, "rows are whole vectors of whole elements");
 constexpr int kReducers = kWarps - 1;
 
+// Vectors a reducer lane loads before it sums them, per source (the two biases and each rank's
+// row): up to 4, 2 from 4 ranks, 1 from 8, and no more than half a lane's registers hold
+// (65536 / kThreads of them, 4 a vector). With four an f32 row at 1024 threads spilled, and that
+// kernel read through a null bias on an H200 (NVRTC 13.0; the emulator, and 768 threads, did
+// not): PYEP_REDUCE_ROUNDS sets it, for tuning.
+#ifdef PYEP_REDUCE_ROUNDS
+constexpr int kReduceRounds = PYEP_REDUCE_ROUNDS;
+#else
+constexpr int kReduceRegs = (65536 / kThreads < 255 ? 65536 / kThreads : 255) / 2;
+constexpr int kReduceFit = kReduceRegs / 4 / (kRanks + 2) > 1 ? kReduceRegs / 4 / (kRanks + 2) : 1;
+constexpr int kReduceCap = kRanks >= 8 ? 1 : (kRanks >= 4 ? 2 : 4);
+constexpr int kReduceRounds = kReduceFit < kReduceCap ? kReduceFit : kReduceCap;
+#endif
+
 typedef pyep_combine_params CombineParams;  // params.h
 
 union VecElems {
@@ -170,7 +184,7 @@ PYEP_DEVICE void combine_reduce(const CombineParams& p, int c, int r, int lane, 
         // All loads of a round first (bias, then every rank's row), then the sums in the fixed
         // order: bias0, bias1, ranks ascending.
         constexpr int kNV = kRowBytes / kVec;
-        constexpr int U = kRanks >= 8 ? 1 : (kRanks >= 4 ? 2 : 4);
+        constexpr int U = kReduceRounds;
         for (int i = lane; i < kNV; i += 32 * U) {
             V vb0[U], vb1[U], in[kRanks][U];
             if (b0 != nullptr) {

@@ -23,20 +23,26 @@ type KernelLoader interface {
 // (SetNormalOptions), the zero value is the default.
 type NormalOptions struct {
 	Loader KernelLoader // nil: NVRTC for the device's architecture
-	// Block sizes of dispatch/combine, notify and layout; 0: 768 (PYEP_NORMAL_THREADS, a
-	// multiple of 32 up to 1024, read at start-up, overrides it), 1024, 512.
-	Threads, NotifyThreads, LayoutThreads int
+	// Block size and copy unroll of dispatch and combine, for every op where not 0; 0: each op's
+	// own for the rank count (cudanormal.ShapeFor). PYEP_NORMAL_THREADS (a multiple of 32 up to
+	// 1024) and PYEP_COPY_UNROLL (1 to 16), read at start-up, set them.
+	Threads, Unroll int
+	// Block sizes of notify and layout; 0: 1024, 512.
+	NotifyThreads, LayoutThreads int
 	// Low-latency mode's block size (0: 512) and blocks (0: one an SM, shared among the ranks on
 	// the GPU).
 	LowLatencyThreads, LowLatencyBlocks int
 }
 
-// normalThreads is the block size of dispatch and combine: PYEP_NORMAL_THREADS when valid.
-var normalThreads = env.Threads(768)
+// normalThreads and normalUnroll are PYEP_NORMAL_THREADS and PYEP_COPY_UNROLL when valid, else 0.
+var normalThreads, normalUnroll = env.Threads(0), env.Unroll()
 
 func (o NormalOptions) withDefaults() NormalOptions {
 	if o.Threads == 0 {
 		o.Threads = normalThreads
+	}
+	if o.Unroll == 0 {
+		o.Unroll = normalUnroll
 	}
 	if o.NotifyThreads == 0 {
 		o.NotifyThreads = 1024
@@ -109,11 +115,11 @@ const (
 )
 
 // KernelKey identifies a compiled variant: the kernel and the numbers its engine specialises it
-// on (ranks, shape, block size; A to D as the engine uses them), which also make its defines.
-// Comparable, so a lookup allocates nothing.
+// on (ranks, shape, block size, copy unroll; A to D as the engine uses them), which also make its
+// defines. Comparable, so a lookup allocates nothing.
 type KernelKey struct {
-	Kernel                     Kernel
-	Ranks, A, B, C, D, Threads int32
+	Kernel                             Kernel
+	Ranks, A, B, C, D, Threads, Unroll int32
 }
 
 // kernelSymbol is where a kernel lives and the symbols it is loaded by.

@@ -16,6 +16,7 @@ import (
 const (
 	TimeoutS      = "PYEP_TIMEOUT_S"      // bound of every wait on a peer, seconds
 	NormalThreads = "PYEP_NORMAL_THREADS" // block size of the cuda dispatch and combine kernels
+	CopyUnroll    = "PYEP_COPY_UNROLL"    // vectors in flight a lane when their warps copy a row
 	JITFlags      = "PYEP_JIT_FLAGS"      // extra NVRTC options, space-separated
 	JITCacheDir   = "PYEP_JIT_CACHE_DIR"  // the kernel cache's directory
 	JITQuiet      = "PYEP_JIT_QUIET"      // no log line for a cold compile
@@ -49,6 +50,17 @@ func parseThreads(s string, def int) int {
 	n, err := strconv.Atoi(strings.TrimSpace(s))
 	if err != nil || n < 64 || n > 1024 || n%32 != 0 {
 		return def
+	}
+	return n
+}
+
+// Unroll is PYEP_COPY_UNROLL as read at start-up: 1 to 16, else 0.
+func Unroll() int { return parseUnroll(os.Getenv(CopyUnroll)) }
+
+func parseUnroll(s string) int {
+	n, err := strconv.Atoi(strings.TrimSpace(s))
+	if err != nil || n < 1 || n > 16 {
+		return 0
 	}
 	return n
 }

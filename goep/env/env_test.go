@@ -13,6 +13,12 @@ func TestParseThreads(t *testing.T) {
 	}
 }
 
+func TestParseUnroll(t *testing.T) {
+	for in, want := range map[string]int{"": 0, "1": 1, " 4 ": 4, "16": 16, "17": 0, "0": 0, "-2": 0, "x": 0} {
+		assert.Equal(t, want, parseUnroll(in), "PYEP_COPY_UNROLL=%q", in)
+	}
+}
+
 func TestGetSeesChanges(t *testing.T) {
 	t.Setenv(MemHandle, "fd")
 	assert.Equal(t, "fd", Get(MemHandle))

@@ -44,7 +44,6 @@ func TestPrecompileNormal(t *testing.T) {
 		}
 		return 1
 	}
-	const threads = 768
 	add(layout, cudanormal.LayoutDefines(512))
 	type shape struct{ hidden, es, scales, topk, combineDT int } // combineDT 0: no combine of this shape
 	var shapes []shape
@@ -64,16 +63,22 @@ func TestPrecompileNormal(t *testing.T) {
 	for _, rs := range ranks {
 		R, err := strconv.Atoi(rs)
 		require.NoError(t, err)
-		add(intranode, cudanormal.NotifyDefines(R, 1024, threads))
+		add(intranode, cudanormal.NotifyDefines(R, 1024))
+		combine := cudanormal.ShapeFor(cudanormal.OpCombine, R, 0, 0)
 		for _, s := range shapes {
 			hb := s.hidden * s.es
-			add(intranode, cudanormal.DispatchDefines(R, hb, s.scales, s.topk, vec(hb), threads))
-			add(intranode, cudanormal.NotifyDispatchDefines(R, hb, s.scales, s.topk, vec(hb), threads)) // queued
-			add(intranode, cudanormal.DispatchDefines(R, hb, s.scales, 0, vec(hb), threads))
+			queued, counted := cudanormal.OpDispatch, cudanormal.OpDispatchCounted
+			if s.scales > 0 {
+				queued, counted = cudanormal.OpDispatchFP8, cudanormal.OpDispatchFP8
+			}
+			q, d := cudanormal.ShapeFor(queued, R, 0, 0), cudanormal.ShapeFor(counted, R, 0, 0)
+			add(intranode, cudanormal.DispatchDefines(R, hb, s.scales, s.topk, vec(hb), d))
+			add(intranode, cudanormal.NotifyDispatchDefines(R, hb, s.scales, s.topk, vec(hb), q)) // queued
+			add(intranode, cudanormal.DispatchDefines(R, hb, s.scales, 0, vec(hb), d))
 			if s.combineDT != 0 {
 				ces := map[int]int{1: 2, 2: 2, 3: 4}[s.combineDT]
 				for _, k := range []int{s.topk, 0} {
-					add(intranode, cudanormal.CombineDefines(R, s.hidden, s.combineDT, k, max(vec(s.hidden*ces), ces), threads))
+					add(intranode, cudanormal.CombineDefines(R, s.hidden, s.combineDT, k, max(vec(s.hidden*ces), ces), combine))
 				}
 			}
 		}

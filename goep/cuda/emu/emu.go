@@ -69,10 +69,11 @@ func Options4() cuda.NormalOptions {
 	return o
 }
 
-// OptionsGPU are Options with the GPU's block size of dispatch and combine.
+// OptionsGPU are Options with the GPU's shapes of dispatch and combine (each op's block size and
+// copy unroll for the rank count, cudanormal.ShapeFor).
 func OptionsGPU() cuda.NormalOptions {
 	o := Options()
-	o.Threads = 768
+	o.Threads = 0
 	return o
 }
 

@@ -218,8 +218,9 @@ func TestEmulatedFourRanks(t *testing.T) {
 	runCase(t, envs, c)
 }
 
-// Four ranks with the GPU's block size (24 warps: five sub-rings a ring), one channel: slow.
-// The ring of 3 slots has fewer slots than a peer has sending warps (three sub-rings of one).
+// Two and four ranks in the GPU's shapes (up to 32 warps a block), one channel: slow. The rings
+// of 3 and 5 slots have fewer slots than a peer has sending warps (as many sub-rings of one as
+// slots).
 func TestEmulatedGPUBlocks(t *testing.T) {
 	if os.Getenv("PYEP_EMU_SLOW") == "" {
 		t.Skip("set PYEP_EMU_SLOW=1: thousands of threads")
@@ -228,9 +229,19 @@ func TestEmulatedGPUBlocks(t *testing.T) {
 	if v, err := strconv.Atoi(os.Getenv("PYEP_EMU_SMS")); err == nil {
 		sms = v
 	}
+	// Each op in its GPU shape: at 2 ranks the BF16 dispatch, the FP8 dispatch and the combine each
+	// have a block size of their own (896, 768, 1024 threads), at 4 ranks 1024 and 512.
+	var cases []rcase
 	for _, ring := range []int{256, 3} {
-		c := rcase{name: fmt.Sprintf("hidden_2880_R4_768_ring%d", ring), R: 4, T: 48, E: 16, K: 8, hidden: 2880, dtype: bf16,
-			cfg: cfg(sms, 2, ring), align: 1, bias: 2}
+		cases = append(cases, rcase{name: fmt.Sprintf("hidden_2880_R4_ring%d", ring), R: 4, T: 48, E: 16, K: 8, hidden: 2880,
+			dtype: bf16, cfg: cfg(sms, 2, ring), align: 1, bias: 2})
+	}
+	cases = append(cases,
+		rcase{name: "hidden_2880_R2_ring5", R: 2, T: 40, E: 8, K: 8, hidden: 2880, dtype: bf16, cfg: cfg(sms, 2, 5), align: 1, bias: 1},
+		rcase{name: "fp8_R2_ring256", R: 2, T: 24, E: 8, K: 4, hidden: 56 * 128, dtype: dlpack.FP8E4M3, scales: 56,
+			cfg: cfg(sms, 2, 256), align: 1, combineDT: bf16},
+		rcase{name: "f32_R2_ring256", R: 2, T: 96, E: 8, K: 8, hidden: 256, dtype: dlpack.F32, cfg: cfg(sms, 2, 256), align: 1, bias: 2})
+	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			envs := newDomainWith(t, c.R, 96<<20, emu.OptionsGPU())
 			runCase(t, envs, c)

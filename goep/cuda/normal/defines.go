@@ -21,29 +21,30 @@ func LayoutDefines(threads int) map[string]string {
 }
 
 // NotifyDefines are notify's (intranode.cu) for numRanks ranks.
-func NotifyDefines(numRanks, notifyThreads, threads int) map[string]string {
-	return map[string]string{"PYEP_NOTIFY": "", "PYEP_RANKS": itoa(numRanks), "PYEP_NOTIFY_THREADS": itoa(notifyThreads),
-		"PYEP_THREADS": itoa(threads)}
+func NotifyDefines(numRanks, notifyThreads int) map[string]string {
+	return map[string]string{"PYEP_NOTIFY": "", "PYEP_RANKS": itoa(numRanks), "PYEP_NOTIFY_THREADS": itoa(notifyThreads)}
 }
 
 // DispatchDefines are the dispatch kernel's: rows of hiddenBytes (+ scalesBytes of scales),
-// topk indices per token (0 for a cached dispatch), moved as vec-byte vectors.
-func DispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec, threads int) map[string]string {
+// topk indices per token (0 for a cached dispatch), moved as vec-byte vectors, run in shape s.
+func DispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec int, s Shape) map[string]string {
 	return map[string]string{"PYEP_DISPATCH": "", "PYEP_RANKS": itoa(numRanks), "PYEP_HIDDEN_BYTES": itoa(hiddenBytes),
-		"PYEP_SCALES_BYTES": itoa(scalesBytes), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec), "PYEP_THREADS": itoa(threads)}
+		"PYEP_SCALES_BYTES": itoa(scalesBytes), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec),
+		"PYEP_THREADS": itoa(s.Threads), "PYEP_COPY_UNROLL": itoa(s.Unroll)}
 }
 
 // NotifyDispatchDefines are the queued dispatch's kernel's (notify in block 0, then the dispatch's
 // blocks), with DispatchDefines' constants.
-func NotifyDispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec, threads int) map[string]string {
-	d := DispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec, threads)
+func NotifyDispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec int, s Shape) map[string]string {
+	d := DispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec, s)
 	d["PYEP_NOTIFY"] = ""
 	return d
 }
 
 // CombineDefines are the combine kernel's: rows of hidden elements of dtype (1 bf16, 2 fp16,
-// 3 fp32), topk weights per row (0 for none), vec-byte vectors.
-func CombineDefines(numRanks, hidden, dtype, topk, vec, threads int) map[string]string {
+// 3 fp32), topk weights per row (0 for none), vec-byte vectors, run in shape s.
+func CombineDefines(numRanks, hidden, dtype, topk, vec int, s Shape) map[string]string {
 	return map[string]string{"PYEP_COMBINE": "", "PYEP_RANKS": itoa(numRanks), "PYEP_HIDDEN": itoa(hidden),
-		"PYEP_DTYPE": itoa(dtype), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec), "PYEP_THREADS": itoa(threads)}
+		"PYEP_DTYPE": itoa(dtype), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec),
+		"PYEP_THREADS": itoa(s.Threads), "PYEP_COPY_UNROLL": itoa(s.Unroll)}
 }

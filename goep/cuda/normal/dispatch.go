@@ -25,7 +25,7 @@ func (e *engine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 	if notified {
 		limit = st.scratchOff
 	}
-	f, off, err := e.prepareDispatch(st, topo, a, limit, cuda.KernelDispatch)
+	f, off, shape, err := e.prepareDispatch(st, topo, a, limit, cuda.KernelDispatch)
 	if err != nil {
 		return err
 	}
@@ -38,7 +38,7 @@ func (e *engine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 	if !notified {
 		p.barriers = 1
 	}
-	if err := e.launch(f, uint32(2*a.Config.NumChannels()), uint32(e.opts.Threads), unsafe.Pointer(p)); err != nil {
+	if err := e.launch(f, uint32(2*a.Config.NumChannels()), uint32(shape.Threads), unsafe.Pointer(p)); err != nil {
 		return err
 	}
 	if !notified {
@@ -48,16 +48,16 @@ func (e *engine) Dispatch(peers []goep.Region, a *goep.DispatchOp) error {
 }
 
 // prepareDispatch checks a dispatch whose rings must end by limit (the region's end, or the
-// scratch of the notify before it) and finds its kernel: kernel is cuda.KernelDispatch, or
-// cuda.KernelNotifyDispatch for the queued dispatch (notify in the same launch).
+// scratch of the notify before it) and finds its kernel and shape: kernel is cuda.KernelDispatch,
+// or cuda.KernelNotifyDispatch for the queued dispatch (notify in the same launch).
 func (e *engine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.DispatchOp, limit int64,
-	kernel cuda.Kernel) (f driver.Function, off [5]int64, err error) {
+	kernel cuda.Kernel) (f driver.Function, off [5]int64, s Shape, err error) {
 	R, me, C := topo.NumNVLRanks, topo.NVLRank, a.Config.NumChannels()
 	slots := a.Config.NumMaxNVLChunkedRecvTokens
 	// goep checked the top-k and the experts; the row sizes are this engine's limits.
 	switch {
 	case a.HiddenBytes <= 0 || a.HiddenBytes > 1<<24 || a.ScalesBytes%4 != 0 || a.ScalesBytes > 1<<16:
-		return f, off, goep.Argf("dispatch: %d bytes of hidden and %d of scales per token are not supported", a.HiddenBytes, a.ScalesBytes)
+		return f, off, s, goep.Argf("dispatch: %d bytes of hidden and %d of scales per token are not supported", a.HiddenBytes, a.ScalesBytes)
 	}
 	off, need := dispatchLayout(C, R, slots, a.HiddenBytes, a.ScalesBytes, a.NumTopk)
 	if need > limit {
@@ -65,20 +65,27 @@ func (e *engine) prepareDispatch(st *bufferState, topo goep.Topology, a *goep.Di
 		if limit < e.env.NumNVLBytes {
 			what = "the rings (and the count exchange after them)"
 		}
-		return f, off, tooSmall("dispatch", me, e.env.NumNVLBytes, need+e.env.NumNVLBytes-limit, fmt.Sprintf("%s of %d ranks x %d channels x %d slots of %d bytes (hidden %d, scales %d, top-k %d) with %v",
+		return f, off, s, tooSmall("dispatch", me, e.env.NumNVLBytes, need+e.env.NumNVLBytes-limit, fmt.Sprintf("%s of %d ranks x %d channels x %d slots of %d bytes (hidden %d, scales %d, top-k %d) with %v",
 			what, R, C, slots, a.HiddenBytes+a.ScalesBytes+4+12*a.NumTopk, a.HiddenBytes, a.ScalesBytes, a.NumTopk, configString(a.Config)))
 	}
-	threads := int32(e.opts.Threads)
+	op := OpDispatch
+	switch {
+	case a.ScalesBytes > 0:
+		op = OpDispatchFP8
+	case kernel == cuda.KernelDispatch:
+		op = OpDispatchCounted
+	}
+	s = ShapeFor(op, R, e.opts.Threads, e.opts.Unroll)
 	vec := vecBytes(a.HiddenBytes, ptr(a.X), ptr(a.RecvX))
 	key := cuda.KernelKey{Kernel: kernel, Ranks: int32(R), A: int32(a.HiddenBytes), B: int32(a.ScalesBytes),
-		C: int32(a.NumTopk), D: int32(vec), Threads: threads}
+		C: int32(a.NumTopk), D: int32(vec), Threads: int32(s.Threads), Unroll: int32(s.Unroll)}
 	f, err = e.b.Kernel(key, func() map[string]string {
 		if kernel == cuda.KernelNotifyDispatch {
-			return NotifyDispatchDefines(R, a.HiddenBytes, a.ScalesBytes, a.NumTopk, vec, int(threads))
+			return NotifyDispatchDefines(R, a.HiddenBytes, a.ScalesBytes, a.NumTopk, vec, s)
 		}
-		return DispatchDefines(R, a.HiddenBytes, a.ScalesBytes, a.NumTopk, vec, int(threads))
+		return DispatchDefines(R, a.HiddenBytes, a.ScalesBytes, a.NumTopk, vec, s)
 	})
-	return f, off, err
+	return f, off, s, err
 }
 
 // fillDispatch fills p, the dispatch's launch parameters (without barriers of its own).
@@ -131,11 +138,11 @@ func (e *engine) Combine(peers []goep.Region, a *goep.CombineOp) error {
 		ptr(a.Bias0)%uint64(es) != 0 || ptr(a.Bias1)%uint64(es) != 0 {
 		return goep.Argf("combine: x, bias and combined_x must be aligned to their %d-byte elements", es)
 	}
-	threads := int32(e.opts.Threads)
+	s := ShapeFor(OpCombine, R, e.opts.Threads, e.opts.Unroll)
 	key := cuda.KernelKey{Kernel: cuda.KernelCombine, Ranks: int32(R), A: int32(a.Hidden), B: dtype, C: int32(a.NumTopk),
-		D: int32(vec), Threads: threads}
+		D: int32(vec), Threads: int32(s.Threads), Unroll: int32(s.Unroll)}
 	f, err := e.b.Kernel(key, func() map[string]string {
-		return CombineDefines(R, a.Hidden, int(dtype), a.NumTopk, vec, int(threads))
+		return CombineDefines(R, a.Hidden, int(dtype), a.NumTopk, vec, s)
 	})
 	if err != nil {
 		return err
@@ -151,7 +158,7 @@ func (e *engine) Combine(peers []goep.Region, a *goep.CombineOp) error {
 	p.out, p.out_weights = u64(ptr(a.CombinedX)), u64(ptr(a.CombinedTopkWeights))
 	p.off_row, p.off_src, p.off_weights = u64(off[0]), u64(off[1]), u64(off[2])
 	p.num_tokens, p.num_rows = i32(a.NumTokens), i32(int(a.X.Shape[0]))
-	if err := e.launch(f, uint32(2*C), uint32(threads), unsafe.Pointer(p)); err != nil {
+	if err := e.launch(f, uint32(2*C), uint32(s.Threads), unsafe.Pointer(p)); err != nil {
 		return err
 	}
 	st.seq += 2

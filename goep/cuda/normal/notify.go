@@ -99,7 +99,7 @@ func (e *engine) Notify(peers []goep.Region, a *goep.NotifyOp) (int, error) {
 	}
 	R, threads := int32(topo.NumNVLRanks), int32(e.opts.NotifyThreads)
 	f, err := e.b.Kernel(cuda.KernelKey{Kernel: cuda.KernelNotify, Ranks: R, Threads: threads},
-		func() map[string]string { return NotifyDefines(int(R), int(threads), e.opts.Threads) })
+		func() map[string]string { return NotifyDefines(int(R), int(threads)) })
 	if err != nil {
 		return 0, err
 	}
@@ -140,7 +140,7 @@ func (e *engine) NotifyDispatch(peers []goep.Region, n *goep.NotifyOp, d *goep.D
 	if err != nil {
 		return 0, false, err
 	}
-	f, off, err := e.prepareDispatch(st, topo, d, scratchOff, cuda.KernelNotifyDispatch)
+	f, off, shape, err := e.prepareDispatch(st, topo, d, scratchOff, cuda.KernelNotifyDispatch)
 	if err != nil {
 		return 0, false, err
 	}
@@ -151,7 +151,7 @@ func (e *engine) NotifyDispatch(peers []goep.Region, n *goep.NotifyOp, d *goep.D
 	// the second.
 	seq := st.seq
 	e.fillDispatch(&e.params.queued.dispatch, st, topo, peers, d, off)
-	if err := e.launch(f, uint32(2*d.Config.NumChannels()+1), uint32(e.opts.Threads), unsafe.Pointer(&e.params.queued)); err != nil {
+	if err := e.launch(f, uint32(2*d.Config.NumChannels()+1), uint32(shape.Threads), unsafe.Pointer(&e.params.queued)); err != nil {
 		return 0, false, err
 	}
 	st.seq += 2

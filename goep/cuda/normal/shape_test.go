@@ -1,0 +1,25 @@
+package cudanormal
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+)
+
+func TestShapeFor(t *testing.T) {
+	// The measured table, and the base shape elsewhere.
+	assert.Equal(t, Shape{896, 4}, ShapeFor(OpDispatch, 2, 0, 0))
+	assert.Equal(t, Shape{768, 8}, ShapeFor(OpDispatchFP8, 2, 0, 0))
+	assert.Equal(t, Shape{1024, 4}, ShapeFor(OpCombine, 2, 0, 0))
+	assert.Equal(t, Shape{896, 4}, ShapeFor(OpDispatchCounted, 2, 0, 0))
+	assert.Equal(t, Shape{1024, 4}, ShapeFor(OpDispatch, 4, 0, 0))
+	assert.Equal(t, Shape{768, 8}, ShapeFor(OpDispatchCounted, 4, 0, 0))
+	assert.Equal(t, Shape{512, 8}, ShapeFor(OpCombine, 4, 0, 0))
+	assert.Equal(t, Shape{768, 8}, ShapeFor(OpCombine, 8, 0, 0))
+	// The options replace either part, for every op.
+	assert.Equal(t, Shape{640, 4}, ShapeFor(OpDispatch, 2, 640, 0))
+	assert.Equal(t, Shape{512, 2}, ShapeFor(OpCombine, 4, 0, 2))
+	assert.Equal(t, Shape{128, 16}, ShapeFor(OpDispatchFP8, 2, 128, 16))
+	// A warp for each rank and one more.
+	assert.Equal(t, Shape{288, 8}, ShapeFor(OpDispatch, 8, 64, 0))
+}
