@@ -230,7 +230,8 @@ func TestEmulatedGPUBlocks(t *testing.T) {
 		sms = v
 	}
 	// Each op in its GPU shape: at 2 ranks the BF16 dispatch, the FP8 dispatch and the combine each
-	// have a block size of their own (896, 768, 1024 threads), at 4 ranks 1024 and 512.
+	// have a block size of their own (896, 768, 1024 threads), at 4 ranks 1024 (a cached dispatch 768)
+	// and 512.
 	var cases []rcase
 	for _, ring := range []int{256, 3} {
 		cases = append(cases, rcase{name: fmt.Sprintf("hidden_2880_R4_ring%d", ring), R: 4, T: 48, E: 16, K: 8, hidden: 2880,

@@ -20,12 +20,13 @@ const (
 // baseShape is the shape of every op and rank count that shapes does not name.
 var baseShape = Shape{768, 8}
 
-// shapes are the fastest of a sweep of block sizes (384 to 1024) and unrolls (2 to 16) on H200s, one
-// rank a GPU, at 4096 tokens, hidden 7168, top-8 of 256 experts, 24 SMs (pyep.bench; figures in
-// bench/results/h200-2026-11-27-shapes). Where no shape was faster
-// than the noise (FP8 dispatch at 2 and 4 ranks), the base stays; at 4 ranks the cached dispatch
-// was 2% slower in the queued dispatch's shape, and DeepEP's harness (which times it) agreed.
-var shapes = map[Op]map[int]Shape{
+// shapes are the fastest of a sweep of block sizes (384 to 1024) and unrolls (2 to 16) on H200s,
+// one rank a GPU, at 4096 tokens, hidden 7168, top-8 of 256 experts, 24 SMs (pyep.bench; figures
+// in bench/results/h200-2026-11-27-shapes), by op and rank count; the zero Shape is baseShape.
+// Where no shape was faster than the noise (FP8 dispatch at 2 and 4 ranks), the base stays; at 4
+// ranks the cached dispatch was 2% slower in the queued dispatch's shape, and DeepEP's harness
+// (which times it) agreed. An array, not a map: every call looks its shape up.
+var shapes = [4][9]Shape{
 	OpDispatch:        {2: {896, 4}, 4: {1024, 4}},
 	OpDispatchCounted: {2: {896, 4}},
 	OpCombine:         {2: {1024, 4}, 4: {512, 8}},
@@ -35,8 +36,11 @@ var shapes = map[Op]map[int]Shape{
 // they are not zero (NormalOptions' Threads and Unroll: PYEP_NORMAL_THREADS and PYEP_COPY_UNROLL, or
 // a test's). A block has a warp for each rank and one more at least.
 func ShapeFor(op Op, ranks, threads, unroll int) Shape {
-	s, ok := shapes[op][ranks]
-	if !ok {
+	var s Shape
+	if int(op) < len(shapes) && ranks >= 0 && ranks < len(shapes[op]) {
+		s = shapes[op][ranks]
+	}
+	if s == (Shape{}) {
 		s = baseShape
 	}
 	if threads != 0 {
