@@ -37,7 +37,7 @@ var shapes = [4][9]Shape{
 // a test's). A block has a warp for each rank and one more at least.
 func ShapeFor(op Op, ranks, threads, unroll int) Shape {
 	var s Shape
-	if int(op) < len(shapes) && ranks >= 0 && ranks < len(shapes[op]) {
+	if op >= 0 && int(op) < len(shapes) && ranks >= 0 && ranks < len(shapes[op]) {
 		s = shapes[op][ranks]
 	}
 	if s == (Shape{}) {
