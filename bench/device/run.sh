@@ -18,6 +18,11 @@
 #                    --ll-nodes K
 #   ncu-ll:N         Nsight Compute over pyep's hooked low-latency kernels (bench/device/ll_profile.py, each
 #                    kernel alone), compiled with -lineinfo: $RES/ncu-ll.ncu-rep and a summary
+#   ab:N[:R]         A/B of builds or settings on one host: python -m pyep.bench, pyep only, at the reference
+#                    normal case (4096 tokens, hidden 7168, top-8 of 256, 24 SMs, 30 iterations), once per variant
+#                    and round, the variants alternating, R rounds (default 2); AB_VARIANTS names them,
+#                    "name[=VAR=value,...];...", e.g. "old=PYEP_NORMAL_THREADS=768,PYEP_COPY_UNROLL=8;new"; then a
+#                    table of the median µs of each op, a column a run (ab-N/)
 #   timeline:N       the same calls with the kernels' timeline (PYEP_LL_TIMELINE=1, ll_profile.py --timeline):
 #                    per kernel and phase, where each block's time goes, rank 0 and the slowest rank
 # Environment: DEEPEP_SRC (default .deepep: DeepEP V1's source, git archive 9249c25), RES (logs, default
@@ -122,6 +127,30 @@ ncu_ll() {  # N
         grep -E 'pyep|Duration|Elapsed Cycles|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Grid Size|Block Size|Stall|Warp Cycles Per Issued'
 }
 
+ab() {  # N [rounds]
+    local n=$1 rounds=${2:-2} r v name vars row
+    local -a runs=()
+    for r in $(seq 1 "$rounds"); do
+        IFS=';' read -ra variants <<<"${AB_VARIANTS:-base}"
+        for v in "${variants[@]}"; do
+            name=${v%%=*}
+            vars=$([ "$v" = "$name" ] || echo "${v#*=}" | tr ',' ' ')
+            env $vars timeout 180 python3 -m pyep.bench --nprocs "$n" --tokens 4096 --hidden 7168 --sms 24 --impls pyep \
+                --ops dispatch_bf16,dispatch_fp8,dispatch_cached,combine_bf16 --no-plots --warmup 10 --iters 30 \
+                --host-iters 2 --out "$RES/ab-$n/$name-$r" >"$RES/ab-$n/$name-$r.log" 2>&1 || echo "$name-$r failed"
+            runs+=("$name-$r")
+        done
+    done
+    printf '%-16s' op; printf ' %12s' "${runs[@]}"; echo
+    for row in dispatch_bf16 dispatch_fp8 dispatch_cached combine_bf16; do
+        printf '%-16s' "$row"
+        for v in "${runs[@]}"; do
+            printf ' %12s' "$(awk -v op="$row" '$1 == "pyep" && $2 == op {print $10}' "$RES/ab-$n/$v/table.txt" 2>/dev/null)"
+        done
+        echo
+    done
+}
+
 timeline() {  # N
     PYEP_TIMEOUT_S=60 torchrun --nproc-per-node "$1" bench/device/ll_profile.py --timeline --iters 20
 }
@@ -140,6 +169,7 @@ for stage in "$@"; do
         nodes) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f nodes); nodes $a $b" ;;
         ncu-ll) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f ncu_ll); ncu_ll $a" ;;
         timeline) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f timeline); timeline $a" ;;
+        ab) mkdir -p "$RES/ab-$a" && timeout "$STAGE_TIMEOUT" bash -c "$(declare -f ab); ab $a ${b:-}" ;;
         *) echo "unknown stage $stage"; false ;;
     esac > >(tee "$log") 2>&1
     rc=$?
