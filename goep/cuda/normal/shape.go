@@ -26,7 +26,7 @@ var baseShape = Shape{768, 8}
 // Where no shape was faster than the noise (FP8 dispatch at 2 and 4 ranks), the base stays; at 4
 // ranks the cached dispatch was 2% slower in the queued dispatch's shape, and DeepEP's harness
 // (which times it) agreed. An array, not a map: every call looks its shape up.
-var shapes = [4][9]Shape{
+var shapes = [OpCombine + 1][8 + 1]Shape{ // by op, then ranks (1 to 8)
 	OpDispatch:        {2: {896, 4}, 4: {1024, 4}},
 	OpDispatchCounted: {2: {896, 4}},
 	OpCombine:         {2: {1024, 4}, 4: {512, 8}},
