@@ -1,4 +1,5 @@
 """The environment a run records: host, software, GPU."""
+import ctypes
 import datetime
 import os
 import platform
@@ -31,6 +32,24 @@ def _driver_version() -> Optional[str]:
     return None
 
 
+def _nccl_loaded() -> Optional[str]:
+    """The version of the NCCL library this process has mapped (ncclGetVersion), and its path: torch's
+    torch.cuda.nccl.version() gives the version torch was built with, which an LD_PRELOAD of another NCCL (a
+    deepep_v2 run) does not change."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "/libnccl.so" in line})
+        if not paths:
+            return None
+        code = ctypes.c_int()
+        if ctypes.CDLL(paths[0]).ncclGetVersion(ctypes.byref(code)) != 0:
+            return f"unknown ({paths[0]})"
+        v = code.value
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100} ({', '.join(paths)})"
+    except (OSError, AttributeError) as e:
+        return f"unknown ({e})"
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -42,7 +61,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment(where: Placement, group: dist.ProcessGroup, deepep: dict) -> dict:
+def environment(where: Placement, group: dist.ProcessGroup, deepep: dict, deepep_v2: Optional[dict] = None) -> dict:
     """What a report records of the machine and the run (rank 0's view). gpu_sharing: whether ranks share GPUs
     (then their figures are for correctness, not speed); mps: CUDA MPS as the ranks' CUDA clients find it."""
     device = where.device
@@ -60,6 +79,10 @@ def environment(where: Placement, group: dist.ProcessGroup, deepep: dict) -> dic
         "dist_backend": str(dist.get_backend(group)),
         "num_ranks": group.size(),
         "deep_ep": deepep,
+        # DeepEP V2 (--impls deepep_v2) and the NCCL it runs on: the whole process's (LD_PRELOAD), the baseline's too.
+        "deep_ep_v2": deepep_v2,
+        "nccl_preload": os.environ.get("LD_PRELOAD"),
+        "ep_env": {k: os.environ[k] for k in ("EP_NCCL_ROOT_DIR", "EP_DISABLE_GIN", "EP_JIT_CACHE_DIR") if k in os.environ},
         "gpu": None, "gpu_count": 0, "driver": None, "cuda": torch.version.cuda, "nccl": None,
         "gpu_sharing": None, "mps": None,
     }
@@ -76,4 +99,5 @@ def environment(where: Placement, group: dist.ProcessGroup, deepep: dict) -> dic
             env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         except Exception as e:  # noqa: BLE001 - recorded, not fatal
             env["nccl"] = f"unknown ({e})"
+        env["nccl_loaded"] = _nccl_loaded()
     return env

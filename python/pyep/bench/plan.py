@@ -12,7 +12,9 @@ OPS = ("layout", "dispatch_bf16", "dispatch_fp8", "dispatch_cached", "combine_bf
 FABRIC_OPS = ("alltoall_bf16",)
 # Low-latency mode (a Buffer of its own, low_latency_mode=True): FP8 dispatch, BF16 combine, and the two back to back.
 LL_OPS = ("ll_dispatch", "ll_combine", "ll_dispatch_combine")
-IMPLS = ("pyep", "baseline", "deepep")
+IMPLS = ("pyep", "baseline", "deepep", "deepep_v2")
+# What runs when --impls is not given: DeepEP V2 is asked for by name (it needs NCCL >= 2.30.4 in the process).
+DEFAULT_IMPLS = ("pyep", "baseline", "deepep")
 # The baseline has no cached dispatch: its split sizes are already known on the host.
 BASELINE_OPS = ("layout", "dispatch_bf16", "dispatch_fp8", "combine_bf16") + FABRIC_OPS
 # FP8 dispatch moves 1-byte elements plus one float32 scale per 128: DeepEP counts it as BF16 bytes times this.
@@ -135,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", type=_name_list(OPS + FABRIC_OPS + LL_OPS),
                    help=f"operations to measure (default all: {','.join(OPS + FABRIC_OPS + LL_OPS)}; --tune: the tuned three)")
     p.add_argument("--ll", action="store_true", help=f"the low-latency ops only ({','.join(LL_OPS)}): short for --ops with them")
-    p.add_argument("--impls", type=_name_list(IMPLS), help="implementations (default pyep,baseline,deepep; pyep with --tune)")
+    p.add_argument("--impls", type=_name_list(IMPLS),
+                   help="implementations (default pyep,baseline,deepep; pyep with --tune; deepep_v2: DeepEP V2's "
+                        "ElasticBuffer, needs NCCL >= 2.30.4 and PYEP_BENCH_DEEPEP_V2 = its build folder)")
     p.add_argument("--mask-ratio", type=float, default=0.0, dest="mask_ratio", help="fraction of top-k choices set to -1 (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, help="untimed calls before timing (default 20 on GPU, 1 on cpu)")
@@ -283,7 +287,7 @@ def make_plan(args: argparse.Namespace, backend: str, num_ranks: int) -> Plan:
         cases += [case(nvl_send=s, nvl_recv=r) for s in L["nvl_send"] for r in L["nvl_recv"]]
     cases = sorted(dict.fromkeys(cases), key=Case.sort_key)
 
-    impls = list(args.impls) if args.impls else (["pyep"] if mode == "tune" else list(IMPLS))
+    impls = list(args.impls) if args.impls else (["pyep"] if mode == "tune" else list(DEFAULT_IMPLS))
     ops = (list(LL_OPS) if args.ll else list(args.ops) if args.ops else
            list(TUNE_KINDS) if mode == "tune" else list(OPS + FABRIC_OPS + LL_OPS))
     if mode == "tune" and "pyep" not in impls:
@@ -328,7 +332,7 @@ def _ll_nodes(args: argparse.Namespace, ops: List[str], impls: List[str], ll_cas
             skipped[k] = f"PYEP_RANKS_PER_NODE={k} does not divide the {num_ranks} ranks"
         else:
             run.append(k)
-    if "deepep" in impls:
+    if "deepep" in impls or "deepep_v2" in impls:
         notes.append("--ll-nodes: pyep only; DeepEP has no emulated nodes (PYEP_RANKS_PER_NODE is pyep's): its "
                      "low-latency rows are one node's")
     return run, skipped

@@ -4,7 +4,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .plan import FABRIC_OPS, LL_OPS, OPS
 
-IMPL_COLORS = {"pyep": "C0", "baseline": "C1", "deepep": "C2"}
+IMPL_COLORS = {"pyep": "C0", "baseline": "C1", "deepep": "C2", "deepep_v2": "C4"}
 STYLES = ("-", "--", ":", "-.")
 
 

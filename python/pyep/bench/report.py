@@ -83,7 +83,7 @@ class Table:
     def __init__(self) -> None:
         enc = (getattr(sys.stdout, "encoding", None) or "").lower()
         self.mu = "µs" if "utf" in enc else "us"
-        self.cols = [("impl", 8, "<"), ("op", 15, "<"), ("tokens", 6, ">"), ("hidden", 6, ">"), ("topk", 4, ">"),
+        self.cols = [("impl", 9, "<"), ("op", 15, "<"), ("tokens", 6, ">"), ("hidden", 6, ">"), ("topk", 4, ">"),
                      ("experts", 7, ">"), ("SMs", 3, ">"), ("nvl s/r", 7, ">"), ("recv", 7, ">"),
                      (f"time {self.mu}", 10, ">"), ("(min-max)", 19, "<"), ("GB/s avg", 8, ">"), ("GB/s min", 8, ">"),
                      (f"launch {self.mu}", 9, ">"), (f"call {self.mu}", 8, ">"), (f"result {self.mu}", 9, ">")]
@@ -295,6 +295,11 @@ def _finish(args, part: Part, table: Table, emit: Callable[[str], None]) -> dict
             "ll_gbps": "DeepEP's low-latency count (tests/test_low_latency.py), per rank over its valid top-k selections s: "
                        "ll_dispatch s * (hidden + hidden/128*4 + 16), ll_combine s * hidden * 2, ll_dispatch_combine the "
                        "sum; / the median time",
+            "deepep_v2": "DeepEP V2's ElasticBuffer (--impls deepep_v2): the same whole-call time between CUDA events and "
+                         "the same bytes as the others (V2's own test times the kernels alone with the profiler and also "
+                         "counts top-k indices and weights); no layout op and no Config (SMs only, nvl s/r -); its "
+                         "low-latency rows are V2's dispatch without CPU sync in the expanded layout (FP8 cast by the "
+                         "caller, untimed), then its combine; no send/recv phases",
             "send_us, recv_us": "ll_dispatch and ll_combine with return_recv_hook=True: the call (send phase) and hook() "
                                 "(receive phase), each between CUDA events (cpu: perf_counter), the hook after the device "
                                 "idled and a barrier (every rank's sends done); per rank the median, across ranks the average",

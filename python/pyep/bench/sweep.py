@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 import pyep
-from . import baseline as baseline_mod, deepep_runner
+from . import baseline as baseline_mod, deepep_runner, deepep_v2_runner
 from .baseline import Baseline
 from .deepep_runner import DeepEPRunner, _import_deepep
+from .deepep_v2_runner import DeepEPV2Runner, _import_deepep_v2
 from .env import environment
 from .ep_runner import EPRunner
 from .gpus import SHARED_NOTE, Placement, placement
@@ -84,9 +85,10 @@ def _record(impl, case: Case, op: str, rank: int, **fields) -> dict:
     """A rank's record of one measurement: what was measured (layout has no SMs or chunks; the baseline no
     Config) and, in fields, the numbers or the error."""
     ep = isinstance(impl, EPRunner) and op != "layout"
+    chunks = ep and not isinstance(impl, DeepEPV2Runner)  # V2 has no Config: SMs only
     rec = dict(impl=impl.name, op=op, tokens=case.tokens, hidden=case.hidden, topk=case.topk, experts=case.experts,
-               num_sms=case.num_sms if ep else None, nvl_send=case.nvl_send if ep else None,
-               nvl_recv=case.nvl_recv if ep else None, config=None, error=None, rank=rank)
+               num_sms=case.num_sms if ep else None, nvl_send=case.nvl_send if chunks else None,
+               nvl_recv=case.nvl_recv if chunks else None, config=None, error=None, rank=rank)
     if isinstance(impl, LowLatencyRunner):
         # The low-latency Buffer's nodes: ranks_per_node 0 for one node (PYEP_RANKS_PER_NODE unset).
         rec.update(ranks_per_node=impl.ranks_per_node, num_nodes=impl.num_nodes)
@@ -95,11 +97,11 @@ def _record(impl, case: Case, op: str, rank: int, **fields) -> dict:
 
 
 def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement,
-                part: Optional[str] = None) -> Tuple[list, list, Dict[str, str], dict]:
+                part: Optional[str] = None) -> Tuple[list, list, Dict[str, str], dict, dict]:
     """The implementations that can run on every rank, their low-latency runners (each with its Buffer; pyep's once
     more per --ll-nodes size, after the one-node runners), those skipped (with why; "<impl> low-latency" where only
     that Buffer failed, "pyep low-latency ranks_per_node=k" for a node size that did not run), and DeepEP's import
-    info. part FIRST: no emulated-node runner (the launcher's second set runs them); NODES: those alone."""
+    info and DeepEP V2's. part FIRST: no emulated-node runner (the launcher's second set runs them); NODES: those alone."""
     R = group.size()
     skipped: Dict[str, str] = {}
     deepep_mod, deepep_info = None, {"version": None, "skipped": "not requested"}
@@ -113,6 +115,17 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement,
         if why:
             skipped["deepep"] = why
             deepep_mod = None
+    v2_mod, v2_info = None, {"version": None, "skipped": "not requested", "path": None}
+    if "deepep_v2" in plan.impls:
+        why = deepep_v2_runner.why_not(where.cuda, where.shared, R, where.gpus)
+        if why is None:
+            v2_mod, v2_info = _import_deepep_v2()
+        else:
+            v2_info = {"version": None, "skipped": why, "path": None}
+        why = _agree(group, v2_info["skipped"] if v2_mod is None else None)
+        if why:
+            skipped["deepep_v2"] = why
+            v2_mod = None
     if "baseline" in plan.impls:
         why = baseline_mod.why_not(where.cuda, where.nccl, where.shared)
         if why:
@@ -127,7 +140,8 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement,
             if name == "baseline":
                 made.append(Baseline(group))
                 return
-            made.append(PyepRunner(group) if name == "pyep" else DeepEPRunner(deepep_mod, group))
+            made.append(PyepRunner(group) if name == "pyep" else DeepEPV2Runner(v2_mod, group) if name == "deepep_v2"
+                        else DeepEPRunner(deepep_mod, group))
             if plan.cases:
                 made[0].open(plan.cases)
 
@@ -166,7 +180,7 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement,
             skipped[ll_nodes_key(k)] = NVSHMEM_TAKEN
         else:
             lls.append(pyep_impl.low_latency(ranks_per_node=k))
-    return impls, lls, skipped, deepep_info
+    return impls, lls, skipped, deepep_info, v2_info
 
 
 def _measure(impl, case: Case, ops: List[str], data: dict, plan: Plan, timer: Timer, group: dist.ProcessGroup,
@@ -255,7 +269,7 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None, par
         plan.notes.append(SHARED_NOTE)
     lead = rank == 0
     show = lead and not args.quiet
-    impls, lls, skipped, deepep_info = _make_impls(plan, group, where, part)
+    impls, lls, skipped, deepep_info, v2_info = _make_impls(plan, group, where, part)
     plan.notes += [impl.note for impl in impls if getattr(impl, "note", None)]
     # Node sizes of emulated-node rows: made here (lls), or left to the launcher's second set of processes.
     later = [k for k in plan.ll_nodes if part == FIRST and ll_nodes_key(k) not in skipped]
@@ -266,7 +280,7 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None, par
                           f"{'' if cuda else f' ({NODES_APART_ENV}=1: the cpu backend does as the cuda backend)'}")
     node_sizes = [(ll.num_nodes, ll.ranks_per_node) for ll in lls if ll.ranks_per_node] + [(R // k, k) for k in later]
 
-    env = environment(where, group, deepep_info) if lead else None
+    env = environment(where, group, deepep_info, v2_info) if lead else None
     out_dir = None
     if lead:
         out_dir = args.out or default_out_dir()
@@ -337,11 +351,14 @@ def run(args: argparse.Namespace, group: Optional[dist.ProcessGroup] = None, par
             for op in plan.ops:
                 if op not in impl.ops:
                     continue
-                # What a measurement depends on: layout on the routing only; the baseline not on Configs.
+                # What a measurement depends on: layout on the routing only; the baseline not on Configs, DeepEP V2
+                # (no Config) on the SMs alone.
                 if op == "layout":
                     key = (impl.name, op, case.tokens, case.topk, case.experts)
                 elif isinstance(impl, Baseline):
                     key = (impl.name, op, case.tokens, case.hidden, case.topk, case.experts)
+                elif isinstance(impl, DeepEPV2Runner):
+                    key = (impl.name, op, case.tokens, case.hidden, case.topk, case.experts, case.num_sms)
                 else:
                     key = (impl.name, op, case)
                 if key not in done:
