@@ -24,7 +24,7 @@ How V2 maps onto the bench's ops (V2 has no layout call, no Config and no low-la
 | ll_combine      | combine(expert_rows, handle) (V2's combine sums rows; weights are applied to the rows before) |
 
 Bytes are the bench's (DeepEP V1's tests') counts, so that a GB/s column compares the same bytes across
-implementations; V2's own test counts more (top-k indices and weights, see .v2prep/elastic_api.md).
+implementations; V2's own test (tests/elastic/test_ep.py) counts more: the top-k indices and weights too.
 """
 import importlib
 import os
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .deepep_runner import ENV_ON_CPU
 from .ep_runner import EPRunner
-from .ll_runner import COMBINE_TOLERANCE, LowLatencyRunner, ll_bytes
+from .ll_runner import LowLatencyRunner, combine_error, ll_bytes
 from .plan import LL_OPS, Case, LLCase
 
 NAME = "deepep_v2"
@@ -78,10 +78,9 @@ def _import_deepep_v2() -> Tuple[object, dict]:
     back. Importing V2 runs its `check_nccl_so()` (exactly one libnccl mapped, byte-equal to the one it was built
     against) and `init_jit()` (deep_ep/__init__.py:46-84): a failure there is the skip reason.
 
-    Not verified: V1's `deep_ep_cpp` and V2's `deep_ep._C` both register the C++ class `deep_ep::EventHandle` with
-    pybind11 (DeepEP 9249c25 csrc/deep_ep.cpp:1852, V2 csrc/legacy/buffer.hpp:1763); in one process the second to
-    load most likely fails with 'generic_type: type "EventHandle" is already registered!'. Then that import is the
-    one skipped, with this message."""
+    V1's `deep_ep_cpp` and V2's `deep_ep._C` both register the C++ class `deep_ep::EventHandle` with pybind11, so in
+    a process that loaded V1 this import fails with 'generic_type: type "EventHandle" is already registered!' (seen
+    on 2x H200): then V2 is the one skipped, with that message."""
     if ALIAS in sys.modules:
         mod = sys.modules[ALIAS]
         return mod, {"version": getattr(mod, "__version__", None), "skipped": None,
@@ -141,7 +140,7 @@ class DeepEPV2Runner(EPRunner):
     """deep_ep.ElasticBuffer (DeepEP V2) in normal mode. One buffer for the run, sized by V2 for the largest tokens,
     hidden and top-k of the cases (BF16: the larger). SMs: the case's, passed as `num_sms` to every call (V2 would
     otherwise pick `get_theoretical_num_sms(E, topk)`, recorded in the note). No Config: the JSON's config is null
-    and the NVL chunk sizes do not apply (see patch.md: its cases are keyed without them)."""
+    and the NVL chunk sizes do not apply (sweep.py keys its cases without them)."""
 
     name = NAME
     ops = OPS
@@ -166,8 +165,8 @@ class DeepEPV2Runner(EPRunner):
                      f"{b.num_bytes / 2 ** 20:.0f} MiB, domains scale-out x scale-up {b.num_scaleout_ranks}x"
                      f"{b.num_scaleup_ranks} (RDMA x NVLink {b.num_rdma_ranks}x{b.num_nvlink_ranks}); SMs as each "
                      f"case sets them, for its communication kernels (V2's copy and reduce epilogues use every SM; "
-                     f"V2's own choice here, prefer_overlap_with_compute: {theory}); no layout op; its non-cached dispatch waits "
-                     f"for the counts on the host (do_cpu_sync), as V1's; EP_DISABLE_GIN="
+                     f"V2's own choice here, prefer_overlap_with_compute: {theory}); no layout op; its non-cached "
+                     f"dispatch waits for the counts on the host (do_cpu_sync), as V1's; EP_DISABLE_GIN="
                      f"{os.environ.get('EP_DISABLE_GIN', '0')}")
 
     def prepare(self, case: Case, data: dict, full: bool = True) -> dict:
@@ -255,8 +254,9 @@ class DeepEPV2LowLatencyRunner(LowLatencyRunner):
     """V2 at the low-latency cases. V2 has no low-latency API (README.md:17-22, 30: one ElasticBuffer interface; the
     0-SM hooked mode is gone), so this times the dispatch without CPU sync in the expanded layout that V2's own test
     runs with --do-cpu-sync 0 (tests/elastic/test_ep.py): do_cpu_sync=False gives fixed worst-case output shapes and
-    no host wait, like V1's low_latency_dispatch; the expanded layout (rows grouped by local expert, V1's low-latency layout's
-    counterpart), then combine. SMs: V2's own (`num_sms=0`: get_theoretical_num_sms). No hooks: no send/recv µs.
+    no host wait, like V1's low_latency_dispatch; the expanded layout groups rows by local expert (V1's low-latency
+    layout's counterpart); then combine. SMs: V2's own (`num_sms=0`: get_theoretical_num_sms). No hooks: no send/recv
+    µs.
     A Buffer of its own (like V1's low-latency Buffer), sized for the low-latency cases, FP8 dispatch."""
 
     ops = LL_OPS
@@ -298,12 +298,7 @@ class DeepEPV2LowLatencyRunner(LowLatencyRunner):
         unaligned = handle.num_unaligned_recv_tokens_per_expert
         if got != expected or stats.tolist() != expected or (unaligned is not None and unaligned.tolist() != expected):
             raise RuntimeError(f"check: per-expert counts {got} (stats {stats.tolist()}), expected {expected}")
-        want = x.float() * weights.masked_fill(~valid, 0).sum(dim=1, keepdim=True)
-        diff = (combined.float() - want).norm(dim=1)
-        err = float((diff / want.norm(dim=1).clamp_min(1e-6)).max()) if want.numel() else 0.0
-        if not torch.isfinite(combined).all() or err > COMBINE_TOLERANCE:
-            raise RuntimeError(f"check: combined tokens off by up to {err:.3g} (relative, L2 over hidden), "
-                               f"expected at most {COMBINE_TOLERANCE}")
+        err = combine_error(x, weights, valid, combined)
         st.update(handle=handle, expert_rows=expert_rows, recv_tokens=int(sum(got)), selections=int(valid.sum()),
                   combine_err=round(err, 5))
         return st

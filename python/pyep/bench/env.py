@@ -82,7 +82,8 @@ def environment(where: Placement, group: dist.ProcessGroup, deepep: dict, deepep
         # DeepEP V2 (--impls deepep_v2) and the NCCL it runs on: the whole process's (LD_PRELOAD), the baseline's too.
         "deep_ep_v2": deepep_v2,
         "nccl_preload": os.environ.get("LD_PRELOAD"),
-        "ep_env": {k: os.environ[k] for k in ("EP_NCCL_ROOT_DIR", "EP_DISABLE_GIN", "EP_JIT_CACHE_DIR") if k in os.environ},
+        "ep_env": {k: os.environ[k] for k in ("EP_NCCL_ROOT_DIR", "EP_DISABLE_GIN", "EP_JIT_CACHE_DIR")
+                   if k in os.environ},
         "gpu": None, "gpu_count": 0, "driver": None, "cuda": torch.version.cuda, "nccl": None,
         "gpu_sharing": None, "mps": None,
     }

@@ -64,6 +64,18 @@ def dequantize(recv: Tuple[torch.Tensor, torch.Tensor], count: torch.Tensor) -> 
     return out
 
 
+def combine_error(x: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, combined: torch.Tensor) -> float:
+    """The combine's largest relative error (L2 over hidden) against x times the sum of each token's valid weights
+    (every expert returned the token's row); raises where it exceeds COMBINE_TOLERANCE or is not finite."""
+    want = x.float() * weights.masked_fill(~valid, 0).sum(dim=1, keepdim=True)
+    diff = (combined.float() - want).norm(dim=1)
+    err = float((diff / want.norm(dim=1).clamp_min(1e-6)).max()) if want.numel() else 0.0
+    if not torch.isfinite(combined).all() or err > COMBINE_TOLERANCE:
+        raise RuntimeError(f"check: combined tokens off by up to {err:.3g} (relative, L2 over hidden), "
+                           f"expected at most {COMBINE_TOLERANCE}")
+    return err
+
+
 class LowLatencyRunner:
     """Low-latency mode of one implementation (pyep or DeepEP), through DeepEP V1's API. `launched` (pyep on cuda)
     is the clock reading of the latest kernel launch, as the normal-mode runner's.
@@ -149,12 +161,7 @@ class LowLatencyRunner:
         got = count.tolist()
         if got != expected or stats.tolist() != expected:
             raise RuntimeError(f"check: recv_count {got} (stats {stats.tolist()}), expected {expected} from the routing")
-        want = x.float() * weights.masked_fill(~valid, 0).sum(dim=1, keepdim=True)
-        diff = (combined.float() - want).norm(dim=1)
-        err = float((diff / want.norm(dim=1).clamp_min(1e-6)).max()) if want.numel() else 0.0
-        if not torch.isfinite(combined).all() or err > COMBINE_TOLERANCE:
-            raise RuntimeError(f"check: combined tokens off by up to {err:.3g} (relative, L2 over hidden), "
-                               f"expected at most {COMBINE_TOLERANCE}")
+        err = combine_error(x, weights, valid, combined)
         return dict(topk_idx=topk_idx, weights=weights, handle=handle, expert_rows=expert_rows,
                     recv_tokens=int(sum(got)), selections=int(valid.sum()), combine_err=round(err, 5))
 

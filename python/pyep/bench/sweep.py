@@ -101,7 +101,8 @@ def _make_impls(plan: Plan, group: dist.ProcessGroup, where: Placement,
     """The implementations that can run on every rank, their low-latency runners (each with its Buffer; pyep's once
     more per --ll-nodes size, after the one-node runners), those skipped (with why; "<impl> low-latency" where only
     that Buffer failed, "pyep low-latency ranks_per_node=k" for a node size that did not run), and DeepEP's import
-    info and DeepEP V2's. part FIRST: no emulated-node runner (the launcher's second set runs them); NODES: those alone."""
+    info and DeepEP V2's. part FIRST: no emulated-node runner (the launcher's second set runs them); NODES: those
+    alone."""
     R = group.size()
     skipped: Dict[str, str] = {}
     deepep_mod, deepep_info = None, {"version": None, "skipped": "not requested"}
