@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .deepep_runner import ENV_ON_CPU
 from .ep_runner import EPRunner
-from .ll_runner import LowLatencyRunner, combine_error, ll_bytes
+from .ll_runner import LowLatencyRunner, combine_error, ll_bytes, ll_call
 from .plan import LL_OPS, Case, LLCase
 
 NAME = "deepep_v2"
@@ -313,16 +313,7 @@ class DeepEPV2LowLatencyRunner(LowLatencyRunner):
         def combine(handle, **a):
             return self.buffer.combine(rows, handle, **a)
 
-        if op == "ll_dispatch":
-            call = dispatch
-        elif op == "ll_combine":
-            def call(**a):
-                return combine(st["handle"], **a)
-        elif op == "ll_dispatch_combine":
-            def call():
-                return combine(dispatch()[3])  # the new dispatch's handle
-        else:
-            raise ValueError(op)
+        call = ll_call(op, dispatch, combine, st["handle"], 3)
         return call, call, (lambda r: None), None
 
     def send_phase(self, op: str, case: LLCase, data: dict, st: dict):

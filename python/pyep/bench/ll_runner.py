@@ -76,6 +76,18 @@ def combine_error(x: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, c
     return err
 
 
+def ll_call(op: str, dispatch: Callable, combine: Callable, handle, handle_at: int) -> Callable:
+    """The timed callable of a low-latency op from an implementation's dispatch(**kw) and combine(handle, **kw):
+    ll_combine on the prepared handle, ll_dispatch_combine on the handle the new dispatch returns (at handle_at)."""
+    if op == "ll_dispatch":
+        return dispatch
+    if op == "ll_combine":
+        return lambda **a: combine(handle, **a)
+    if op == "ll_dispatch_combine":
+        return lambda: combine(dispatch()[handle_at])
+    raise ValueError(op)
+
+
 class LowLatencyRunner:
     """Low-latency mode of one implementation (pyep or DeepEP), through DeepEP V1's API. `launched` (pyep on cuda)
     is the clock reading of the latest kernel launch, as the normal-mode runner's.
@@ -177,16 +189,7 @@ class LowLatencyRunner:
         def combine(handle, **a):
             return b.low_latency_combine(rows, idx, w, handle, **a)
 
-        if op == "ll_dispatch":
-            call = dispatch
-        elif op == "ll_combine":
-            def call(**a):
-                return combine(st["handle"], **a)
-        elif op == "ll_dispatch_combine":
-            def call():
-                return combine(dispatch()[2])
-        else:
-            raise ValueError(op)
+        call = ll_call(op, dispatch, combine, st["handle"], 2)
         return call, call, (lambda r: None), None
 
     def send_phase(self, op: str, case: LLCase, data: dict, st: dict) -> Optional[Callable[[], Callable[[], None]]]:
