@@ -10,8 +10,9 @@ before each one (torch.cuda.synchronize) and the medians of --iters calls:
     go      from there to right after the last kernel launch (BufferLastLaunchNs; cuda only);
     launch  the two together: the call's host time up to its last launch;
     return  the call to its return (a dispatch waits for notify's count; the call's Python after the core included).
-Every dispatch passes the tensors its layout returned, as a model does. A pyep build without LastEntryNs (before
-the host path) still gives launch and return.
+Every dispatch passes the tensors its layout returned, as a model does, and its layout is made anew before it (untimed,
+before the device goes idle), as a model's layer makes it: the layout allocates ahead what the dispatch would (see
+the README's "Launch time"). A pyep build without LastEntryNs (before the host path) still gives launch and return.
 """
 import argparse
 import json
@@ -85,6 +86,12 @@ def main(argv=None):
     recv, _, recv_w, _, handle, _ = buffer.dispatch(x_bf16, **layout, topk_idx=topk, topk_weights=weights)
     y = recv.clone()
 
+    def new_layout():
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
+        layout.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+    # What runs before each timed call, untimed: a dispatch's layout.
+    preps = {"dispatch_bf16": new_layout, "dispatch_fp8": new_layout}
     calls = {
         "layout": lambda: buffer.get_dispatch_layout(topk, E),
         "dispatch_bf16": lambda: buffer.dispatch(x_bf16, **layout, topk_idx=topk, topk_weights=weights),
@@ -103,7 +110,10 @@ def main(argv=None):
     print(f"{'call':16s}" + "".join(f"{c:>10s}" for c in columns))
     for name, call in calls.items():
         samples = {c: [] for c in columns}
+        prep = preps.get(name)
         for i in range(args.warmup + args.iters):
+            if prep is not None:
+                prep()
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter_ns()
@@ -120,9 +130,7 @@ def main(argv=None):
                 if entry is not None:
                     samples["go"].append((launch - entry) / 1e3)
         if name == "layout":
-            # The dispatches pass the last layout's tensors, as a model's dispatch does.
-            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
-            layout.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+            new_layout()  # the calls after it pass the last layout's tensors, as a model's dispatch does
         med = {c: round(statistics.median(v), 2) if v else None for c, v in samples.items()}
         report["median_us"][name] = med
         report["samples_us"][name] = samples

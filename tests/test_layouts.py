@@ -92,6 +92,9 @@ def test_handle_block_written_again_only_when_nothing_holds_it(group, device):
 
     def dispatch():
         layout = layout_of(buffer, topk, E)
+        # Then another layout: the dispatch's is not the last one, so its handle gets no room in the layout's memory
+        # (test_layout_makes_room_for_the_next_dispatch) and goes in a block of its own, the one this test is about.
+        buffer.get_dispatch_layout(topk, E)
         recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, **layout)
         return expert_output(recv_x, me), recv_w, handle
 
@@ -128,6 +131,83 @@ def test_handle_block_written_again_only_when_nothing_holds_it(group, device):
             assert handle[0].data_ptr() != was, "a handle's block of one stream written again on another"
             combines(y, recv_w, handle)
         torch.cuda.synchronize()
+
+
+def test_layout_makes_room_for_the_next_dispatch(group, device):
+    """After a usual dispatch, the usual get_dispatch_layout makes room in its own memory for the int32s of the next
+    dispatch's handle and allocates that dispatch's rows after its launch, so that a dispatch with this layout
+    allocates nothing. The room serves one handle at a time (a second dispatch with the same layout while the first
+    handle is held gets a block of its own), and the rows ahead are let go by any dispatch that does not match them
+    (other shape, num_worst_tokens, async_finish, cached); every handle still combines its own dispatch."""
+    case = Case("room", tokens=29, hidden=256)
+    me, R = group.rank(), group.size()
+    E = case.experts_per_rank * R
+    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), case.hidden * 2)
+    x, topk, w = on(device, inputs(case, me, R))
+    ref_combined, _ = expected_combine(case, me, R, ())
+
+    def combines(recv_x, recv_w, handle):
+        combined, _, _ = buffer.combine(expert_output(recv_x, me), handle, topk_weights=recv_w)
+        assert torch.equal(combined.cpu(), ref_combined)
+
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
+    fresh = pyep.Buffer(group, pyep.Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(case.hidden * 2, R),
+                        explicitly_destroy=True)
+    try:
+        fresh.get_dispatch_layout(topk, E)
+        assert fresh._rows_ahead is None, "rows allocated ahead before any dispatch"
+    finally:
+        fresh.destroy()
+    layout = layout_of(buffer, topk, E)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, **layout)
+    combines(recv_x, recv_w, handle)
+    del recv_x, recv_w, handle, layout
+
+    layout = layout_of(buffer, topk, E)
+    ahead = storage(buffer._rows_ahead[0])
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, **layout)
+    assert buffer._rows_ahead is None
+    assert storage(recv_x) == ahead, "the dispatch did not take the rows its layout allocated ahead"
+    in_rank = layout["is_token_in_rank"]
+    assert all(storage(handle[i]) == storage(in_rank) for i in (0, 1, 2, 3, 5)), "handle not in its layout's room"
+    kept = [t.clone() for t in handle if isinstance(t, torch.Tensor)]
+    # The same layout again while that handle is held: a block of its own, and the first handle unchanged.
+    recv_x2, _, recv_w2, _, handle2, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, **layout)
+    assert storage(handle2[0]) != storage(in_rank), "the layout's room written while a handle in it was held"
+    assert all(torch.equal(a, b) for a, b in zip([t for t in handle if isinstance(t, torch.Tensor)], kept))
+    combines(recv_x2, recv_w2, handle2)
+    combines(recv_x, recv_w, handle)
+    # Once both handles are dropped, the room serves the next dispatch with that layout.
+    del recv_x, recv_w, handle, recv_x2, recv_w2, handle2, kept
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, **layout)
+    assert storage(handle[0]) == storage(in_rank)
+    combines(recv_x, recv_w, handle)
+
+    # Rows ahead that do not match are let go, and the call allocates as before.
+    others = [("another hidden size", lambda lay: buffer.dispatch(x[:, :128].contiguous(), topk_idx=topk,
+                                                                     topk_weights=w, **lay)),
+              ("num_worst_tokens", lambda lay: buffer.dispatch(x, topk_idx=topk, topk_weights=w,
+                                                                num_worst_tokens=R * case.tokens, **lay)),
+              ("a cached dispatch", lambda lay: buffer.dispatch(x, handle=handle)),
+              ("async_finish", lambda lay: buffer.dispatch(x, topk_idx=topk, topk_weights=w, async_finish=True,
+                                                            **lay))]
+    for name, call in others:
+        del layout
+        layout = layout_of(buffer, topk, E)
+        assert buffer._rows_ahead is not None, f"no rows ahead before {name}"
+        ahead = buffer._rows_ahead[0]  # held here, so that memory let go cannot come back as the call's rows
+        out = call(layout)
+        recv = out[0][0] if isinstance(out[0], tuple) else out[0]
+        assert buffer._rows_ahead is None, f"rows ahead kept after {name}"
+        assert storage(recv) != storage(ahead), f"rows ahead used by {name}"
+        if name == "async_finish":
+            out[5].current_stream_wait()
+        del out, recv, ahead
+        # The usual dispatch comes back to the usual rows.
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, **layout)
+        combines(recv_x, recv_w, handle)
 
 
 def test_calls_run_without_torch_function_modes(group, device):

@@ -168,6 +168,10 @@ class NormalMode:
         self._configs = {}  # recommended configs' fields, by (kind, Buffer.num_sms, tuning.generation, channels)
         self._layout = None  # the last layout's tensors and their descriptions (see get_dispatch_layout)
         self._handle_block = None  # the last dispatch's handle block, its stream and storage use count (_int32_block)
+        # What the next dispatch will likely be, from the last usual one: (channels, row bytes, scales, top-k), for the
+        # layout's handle room and rows ahead (see get_dispatch_layout); and those rows, with their size and stream.
+        self._next_dispatch = None
+        self._rows_ahead = None
         self._counts = array.array("i", bytes(4 * 64))  # num_recv_tokens_per_expert, written by the core
 
     # ---- per-call helpers ---------------------------------------------------------------------------------------
@@ -286,6 +290,19 @@ class NormalMode:
         self._handle_block = (block, n, stream, _USE_COUNT(block.untyped_storage()._cdata))
         return block
 
+    def _queued_capacity(self, R: int, T: int) -> int:
+        """The rows a queued dispatch of T tokens allocates: the most this rank receives when every rank has as many
+        tokens, or the most it had to redo before."""
+        return max(R * T, self._queued_rows, 1)
+
+    def _take_rows_ahead(self, flags: int, stream: int, n: int) -> torch.Tensor:
+        """n float32s for a queued dispatch's rows: those the layout allocated ahead when they are that many on this
+        stream and the call is the usual one, else new ones (the ones ahead are let go either way)."""
+        ahead, self._rows_ahead = self._rows_ahead, None
+        if ahead is not None and ahead[1] == n and ahead[2] == stream and flags == _USUAL:
+            return ahead[0]
+        return self._empty(flags, n, torch.float32)
+
     def _counts_for(self, n: int) -> int:
         """The address of room for n int32 counts."""
         if len(self._counts) < n:
@@ -335,18 +352,30 @@ class NormalMode:
         key = (T, E, stream) if flags == _USUAL and _USE_COUNT is not None and not self._multi_domain else None
         if key is not None and self._cuda and _capturing():
             key = None  # a graph's memory: never handed out again
+        # The usual call after a usual dispatch also makes room, after in_rank, for the int32s of the handle of the
+        # next dispatch like it (which holds in_rank, so this memory lives no longer than it would anyway).
+        nxt = self._next_dispatch if key is not None and E > 0 and E % R == 0 else None
+        at_handle = at_in_rank + _align(T * R)
+        room = _handle_layout(R, nxt[0], T, self._queued_capacity(R, T), E // R)[6] if nxt is not None else 0
+        if key is not None:
+            key += (room,)
         lay = self._layout
         block = None
         if key is not None and lay is not None and lay[8] == key and self._reusable_layout(lay):
             base = lay[4][0]
         else:
-            block = self._empty(flags, (at_in_rank + _align(T * R)) // 4, torch.int32)
+            block = self._empty(flags, at_handle // 4 + room, torch.int32)
             base = block.data_ptr()
         try:
             _go.Layout(self._rid, E, tp, tt, tv, tn, T, t1, ts0, ts1, base, base + 4 * R, base + at_in_rank,
                        stream, event, flags)
         except RuntimeError as e:
             raise _core.error(e) from None
+        # Launched: the next dispatch's rows, allocated while the kernel runs (see _take_rows_ahead).
+        self._rows_ahead = None
+        if nxt is not None:
+            n = _recv_layout(self._queued_capacity(R, T), *nxt[1:])[4]
+            self._rows_ahead = (torch.empty(n, dtype=torch.float32, device=self._device), n, stream)
         if block is None:
             per_rank, per_expert, in_rank = lay[0], lay[1], lay[2]
         else:
@@ -362,7 +391,7 @@ class NormalMode:
                         (base, _INT32, dev, 1, R, 0, 1, 0, base + 4 * R, _INT32, dev, 1, E, 0, 1, 0,
                          base + at_in_rank, _BOOL, dev, 2, T, R, R, 1),
                         topk_idx, topk_idx._version, (tp, tt, tv, tn, T, t1, ts0, ts1),
-                        key, None if key is None else _USE_COUNT(in_rank.untyped_storage()._cdata))
+                        key, None if key is None else _USE_COUNT(in_rank.untyped_storage()._cdata), at_handle, room)
         return per_rank, per_rdma_rank, per_expert, in_rank, self._finish(
             async_finish, flags, (topk_idx, per_rank, per_expert, in_rank))
 
@@ -454,6 +483,7 @@ class NormalMode:
             (rp, rt, rv, rn, r0, r1, rs0, rs1, ep, et, ev, en, E, e1, es0, es1,
              gp, gt, gv, gn, g0, g1, gs0, gs1) = lay[4]
         else:
+            lay = None  # not the last layout's tensors: no handle room
             rp, rt, rv, rn, r0, r1, rs0, rs1 = _desc1("num_tokens_per_rank", num_tokens_per_rank)
             ep, et, ev, en, E, e1, es0, es1 = _desc1("num_tokens_per_expert", num_tokens_per_expert)
             gp, gt, gv, gn, g0, g1, gs0, gs1 = _desc2("is_token_in_rank", is_token_in_rank)
@@ -465,16 +495,23 @@ class NormalMode:
         # combine holds no recv_x. A queued dispatch allocates rows for the most this rank can receive when every
         # rank has as many tokens (or the most seen before); with num_worst_tokens, that many.
         if queued:
-            rows = max(R * T, self._queued_rows, 1)
+            rows = self._queued_capacity(R, T)
         else:
             rows = num_worst_tokens if type(num_worst_tokens) is int and num_worst_tokens > 0 else 0
+            self._rows_ahead = None
         hl = _handle_layout(R, C, T, rows, per_expert)
-        hb = self._int32_block(flags, stream, hl[6])
-        h = hb.data_ptr()
+        # The handle's int32s go in the room their layout made when it is big enough and no other tensor is on the
+        # layout's memory (no handle of an earlier dispatch with the same layout); else in a block of their own.
+        if (flags == _USUAL and lay is not None and lay[11] >= hl[6]
+                and _USE_COUNT(is_token_in_rank.untyped_storage()._cdata) == lay[9]):
+            hb, h0 = num_tokens_per_rank, lay[10]
+        else:
+            hb, h0 = self._int32_block(flags, stream, hl[6]), 0
+        h = hb.data_ptr() + h0
         try:
             if queued:
                 rl = _recv_layout(rows, row_bytes, S, K)
-                rb = self._empty(flags, rl[4], torch.float32)
+                rb = self._take_rows_ahead(flags, stream, rl[4])
                 r = rb.data_ptr()
                 n = _go.DispatchQueued(
                     rid, f0, f1, f2, f3, f4, expert_alignment, rows, xp, xt, xv, xn, T, H, xs0, xs1,
@@ -491,7 +528,7 @@ class NormalMode:
                     rp, rt, rv, rn, r0, r1, rs0, rs1, ep, et, ev, en, E, e1, es0, es1, gp, gt, gv, gn, g0, g1, gs0, gs1,
                     h, h + 4 * hl[1], h + 4 * hl[2], h + 4 * hl[5], h + 4 * hl[3], counts, stream, event, flags)
                 ran = False
-            src_block, src_at = hb, 4 * hl[4]
+            src_block, src_at = hb, h0 + 4 * hl[4]
             if not ran:
                 # The data phase into exact rows: the count was not known, or exceeded the rows allocated.
                 if queued:
@@ -512,10 +549,12 @@ class NormalMode:
         recv = recv_x if scales is None else (recv_x, _rows(rb if st != _INT32 else rb.view(torch.int32), rl[1], out, S))
         recv_topk_idx = _rows(rb.view(torch.int64), rl[2], out, K) if K else None
         recv_topk_weights = _rows(rb, rl[3], out, K) if K else None
-        src = (h if src_block is hb else src_block.data_ptr()) + src_at
-        handle = self._remember((_rows(hb, 0, R, R), _rows(hb, 4 * hl[1], R, C), _rows(hb, 4 * hl[2], R, C),
+        if queued and flags == _USUAL:
+            self._next_dispatch = (C, row_bytes, S, K)
+        src = (h - h0 if src_block is hb else src_block.data_ptr()) + src_at
+        handle = self._remember((_rows(hb, h0, R, R), _rows(hb, h0 + 4 * hl[1], R, C), _rows(hb, h0 + 4 * hl[2], R, C),
                                  src_block.as_strided((out,), (1,), src_at // 4), is_token_in_rank,
-                                 _rows(hb, 4 * hl[3], T, R)), T, C, out,
+                                 _rows(hb, h0 + 4 * hl[3], T, R)), T, C, out,
                                 (h, h + 4 * hl[1], h + 4 * hl[2], src, gp, h + 4 * hl[3]))
         per_expert_list = [] if num_worst_tokens else self._counts[:per_expert].tolist()
         return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, self._finish(
@@ -526,6 +565,7 @@ class NormalMode:
                          allocate_on_comm_stream):
         if topk_idx is not None or topk_weights is not None:
             raise ValueError("topk_idx, topk_weights: must be None with a handle (cached dispatch)")
+        self._rows_ahead = None  # the layout's rows ahead are for a dispatch with a layout
         _, T, C, rows, rank_prefix, channel_prefix, _, _, in_rank, _ = self._handle_meta(handle)
         f0, f1, f2, f3, f4 = self._fields(config, "dispatch" if scales is None else "dispatch_fp8")
         stream, event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)

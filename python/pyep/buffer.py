@@ -213,6 +213,7 @@ class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
         return gathered
 
     def _release(self) -> None:
+        self._rows_ahead = None  # rows a layout allocated for the next dispatch (_normal.py)
         runtime = getattr(self, "runtime", None)
         if runtime is not None:
             runtime.destroy()
