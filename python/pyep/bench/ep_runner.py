@@ -100,7 +100,7 @@ class EPRunner:
                     recv_tokens=int(recv_x.size(0)))
 
     def op(self, op: str, case: Case, data: dict, st: dict):
-        """(timed callable, host callable with async_finish=True, wait for the host callable's result,
+        """(timed callable, host callable: the usual call, DeepEP's defaults, wait for the host callable's result,
         RunConfig or None)."""
         b, x = self.buffer, data["x"]
 
@@ -131,7 +131,20 @@ class EPRunner:
                 return b.combine(st["recv_x"], st["handle"], config=rc.config, **a)
         else:
             raise ValueError(op)
-        return call, (lambda: call(async_finish=True)), wait, rc
+        del wait  # the usual call leaves the caller's stream after its work: nothing to join
+        return call, call, (lambda r: None), rc
+
+    def host_prep(self, op: str, case: Case, data: dict, st: dict) -> Optional[Callable[[], None]]:
+        """What runs before each host-timed call, untimed: a dispatch gets a new layout, as in a model's layer (pyep's
+        layout allocates ahead for the dispatch that follows it)."""
+        if op not in ("dispatch_bf16", "dispatch_fp8"):
+            return None
+
+        def prep():
+            per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(st["topk_idx"], case.experts)
+            st["kw"].update(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        return prep
 
     def low_latency(self) -> LowLatencyRunner:
         """The implementation's low-latency runner (a Buffer of its own, made by its open)."""

@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, help="untimed calls before timing (default 20 on GPU, 1 on cpu)")
     p.add_argument("--iters", type=int, help="timed calls per measurement (default 50 on GPU, 5 on cpu)")
-    p.add_argument("--host-iters", type=int, dest="host_iters", help="calls timed on the host (async_finish=True) (default 10 on GPU, 2 on cpu; 0: skip)")
+    p.add_argument("--host-iters", type=int, dest="host_iters", help="calls timed on the host (the usual call, DeepEP's defaults) (default 10 on GPU, 2 on cpu; 0: skip)")
     p.add_argument("--flush-mb", type=int, default=256, dest="flush_mb", help="MiB written between timed GPU iterations to flush L2 (default 256)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="cuda (NCCL; gloo where ranks share a GPU) or cpu (gloo) backend (default: cuda if GPUs)")

@@ -218,8 +218,9 @@ def _measure_stage(impl, case: Case, ops: List[str], full: bool, data: dict, pla
             fields["config"] = list(rc.fields) if rc is not None else None
             _sync(group, where)
             times = timer.run(call, plan.warmup, plan.iters)
+            prep = impl.host_prep(op, case, data, st) if hasattr(impl, "host_prep") else None
             host = timer.host(host_call, wait, plan.host_iters, getattr(impl, "launched", None),
-                              before=lambda: _barrier(group, where))
+                              before=lambda: (_barrier(group, where), prep is not None and prep()))
             med = statistics.median(times)
             nbytes = impl.op_bytes(op, case, st) if hasattr(impl, "op_bytes") else _bytes_of(op, st["recv_tokens"], case.hidden)
             send = impl.send_phase(op, case, data, st) if hasattr(impl, "send_phase") else None

@@ -82,8 +82,8 @@ class Timer:
     def host(self, fn: Callable[[], object], wait: Callable[[object], None], iters: int,
              launched: Optional[Callable[[], float]] = None,
              before: Optional[Callable[[], None]] = None) -> "HostTimes":
-        """Host time of `iters` calls of `fn` (the call with async_finish=True), each with the device idle before
-        it (after `before`, a barrier that keeps the ranks in step):
+        """Host time of `iters` calls of `fn` (the usual call), each with the device idle before it (after `before`: a
+        barrier that keeps the ranks in step, and for a dispatch its new layout):
         - calls: seconds from the Python call to its return, nothing synchronized inside;
         - launches (with `launched`, the time.perf_counter clock reading right after the implementation's
           latest kernel launch): seconds from the Python call to its last launch;
