@@ -79,16 +79,29 @@ def test_layout_outputs_written_again_only_when_nothing_holds_them(group, device
         torch.cuda.synchronize()
 
 
+class RoundTrip:
+    """A small dispatch and combine on the kept buffer of their size: the inputs, and `combines`, which checks that
+    combining expert outputs with a handle gives the reference."""
+
+    def __init__(self, group, device, name: str):
+        self.case = case = Case(name, tokens=29, hidden=256)
+        self.me, self.R = me, R = group.rank(), group.size()
+        self.E = case.experts_per_rank * R
+        self.buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), case.hidden * 2)
+        self.x, self.topk, self.w = on(device, inputs(case, me, R))
+        self.ref_combined, _ = expected_combine(case, me, R, ())
+
+    def combines(self, y, recv_w, handle):
+        combined, _, _ = self.buffer.combine(y, handle, topk_weights=recv_w)
+        assert torch.equal(combined.cpu(), self.ref_combined)
+
+
 def test_handle_block_written_again_only_when_nothing_holds_it(group, device):
     """The usual dispatch writes its handle into the last handle's int32 block when nothing holds that handle any more
     (no reference to its tensors, no tensor on their memory), instead of allocating; never while the handle or one of
     its tensors is held, nor on another stream; and every handle combines its own dispatch."""
-    case = Case("handles", tokens=29, hidden=256)
-    me, R = group.rank(), group.size()
-    E = case.experts_per_rank * R
-    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), case.hidden * 2)
-    x, topk, w = on(device, inputs(case, me, R))
-    ref_combined, _ = expected_combine(case, me, R, ())
+    rt = RoundTrip(group, device, "handles")
+    me, E, buffer, x, topk, w, combines = rt.me, rt.E, rt.buffer, rt.x, rt.topk, rt.w, rt.combines
 
     def dispatch():
         layout = layout_of(buffer, topk, E)
@@ -97,10 +110,6 @@ def test_handle_block_written_again_only_when_nothing_holds_it(group, device):
         buffer.get_dispatch_layout(topk, E)
         recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, **layout)
         return expert_output(recv_x, me), recv_w, handle
-
-    def combines(y, recv_w, handle):
-        combined, _, _ = buffer.combine(y, handle, topk_weights=recv_w)
-        assert torch.equal(combined.cpu(), ref_combined)
 
     y, recv_w, handle = dispatch()
     combines(y, recv_w, handle)
@@ -139,16 +148,11 @@ def test_layout_makes_room_for_the_next_dispatch(group, device):
     allocates nothing. The room serves one handle at a time (a second dispatch with the same layout while the first
     handle is held gets a block of its own), and the rows ahead are let go by any dispatch that does not match them
     (other shape, num_worst_tokens, async_finish, cached); every handle still combines its own dispatch."""
-    case = Case("room", tokens=29, hidden=256)
-    me, R = group.rank(), group.size()
-    E = case.experts_per_rank * R
-    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), case.hidden * 2)
-    x, topk, w = on(device, inputs(case, me, R))
-    ref_combined, _ = expected_combine(case, me, R, ())
+    rt = RoundTrip(group, device, "room")
+    case, me, R, E, buffer, x, topk, w = rt.case, rt.me, rt.R, rt.E, rt.buffer, rt.x, rt.topk, rt.w
 
     def combines(recv_x, recv_w, handle):
-        combined, _, _ = buffer.combine(expert_output(recv_x, me), handle, topk_weights=recv_w)
-        assert torch.equal(combined.cpu(), ref_combined)
+        rt.combines(expert_output(recv_x, me), recv_w, handle)
 
     def storage(t):
         return t.untyped_storage().data_ptr()
