@@ -104,12 +104,9 @@ class EPRunner:
         RunConfig or None)."""
         b, x = self.buffer, data["x"]
 
-        def wait(r):
-            r[-1].current_stream_wait()  # every call's last return value is its EventOverlap
-
         if op == "layout":
-            def call(**a):
-                return b.get_dispatch_layout(st["topk_idx"], case.experts, **a)
+            def call():
+                return b.get_dispatch_layout(st["topk_idx"], case.experts)
             rc = None
         elif op in ("dispatch_bf16", "dispatch_fp8"):
             if op == "dispatch_fp8" and data["fp8"] is None:
@@ -117,22 +114,21 @@ class EPRunner:
             xx = x if op == "dispatch_bf16" else data["fp8"]
             rc = st["dcfg"] if op == "dispatch_bf16" else st["fcfg"]
 
-            def call(**a):
-                return b.dispatch(xx, config=rc.config, **st["kw"], **a)
+            def call():
+                return b.dispatch(xx, config=rc.config, **st["kw"])
         elif op == "dispatch_cached":
             rc = st["dcfg"]
 
-            def call(**a):
-                return b.dispatch(x, handle=st["handle"], config=rc.config, **a)
+            def call():
+                return b.dispatch(x, handle=st["handle"], config=rc.config)
         elif op == "combine_bf16":
             rc = st["ccfg"]
 
-            def call(**a):
-                return b.combine(st["recv_x"], st["handle"], config=rc.config, **a)
+            def call():
+                return b.combine(st["recv_x"], st["handle"], config=rc.config)
         else:
             raise ValueError(op)
-        del wait  # the usual call leaves the caller's stream after its work: nothing to join
-        return call, call, (lambda r: None), rc
+        return call, call, (lambda r: None), rc  # the usual call: nothing to join
 
     def host_prep(self, op: str, case: Case, data: dict, st: dict) -> Optional[Callable[[], None]]:
         """What runs before each host-timed call, untimed: a dispatch gets a new layout, as in a model's layer (pyep's
