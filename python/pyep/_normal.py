@@ -15,7 +15,8 @@ import torch
 
 from . import _core, tuning
 from ._internode import tokens_per_node
-from ._tensors import modes_on, without_modes
+from ._tensors import (_BOOL, _DTYPE_OF, _DV, _INT32, _ITEMSIZE, _desc1, _desc2, _int, _raise_int, modes_on,
+                       without_modes)
 from .config import Config
 from .utils import EventHandle, EventOverlap
 
@@ -35,89 +36,6 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: True)
 
 _go = _core.go
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-class _Codes(dict):
-    """torch objects to the core's integer codes, each computed on first sight."""
-
-    def __init__(self, code) -> None:
-        super().__init__()
-        self.code = code
-
-    def __missing__(self, key):
-        value = self[key] = self.code(key)
-        return value
-
-
-def _torch_names():
-    dtypes, devices = _core.call("TorchNames").split(";")
-    dtype_index = {name: i for i, name in enumerate(dtypes.split())}
-    device_index = {name: i for i, name in enumerate(devices.split())}
-    by_code = {}
-    for d in vars(torch).values():
-        if isinstance(d, torch.dtype) and str(d)[6:] in dtype_index:
-            by_code[dtype_index[str(d)[6:]]] = d
-    return dtype_index, device_index, by_code
-
-
-_DTYPE_INDEX, _DEVICE_INDEX, _DTYPE_OF = _torch_names()
-_ITEMSIZE = {code: d.itemsize for code, d in _DTYPE_OF.items()}
-_INT32, _BOOL = _DTYPE_INDEX["int32"], _DTYPE_INDEX["bool"]
-# A dtype's index in the core's list (-1: one it does not know), and a device's code (goep.DeviceCode).
-_DT = _Codes(lambda d: _DTYPE_INDEX.get(str(d)[6:], -1))
-_DV = _Codes(lambda d: _DEVICE_INDEX.get(d.type, len(_DEVICE_INDEX)) << 16 | (0 if d.index is None else d.index + 1))
-_NONE = (0, -1, 0, -1, 0, 0, 0, 0)
-
-
-def _desc(name: str, t: object) -> tuple:
-    """A tensor, or None, as the eight integers of the core's goep.Desc; the core checks them."""
-    if t is None:
-        return _NONE
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    shape, stride = t.shape, t.stride()
-    # A Desc holds two sizes: no argument of pyep has more dimensions, and the core names the shape.
-    s, st = tuple(shape[:2]) + (0, 0), tuple(stride[:2]) + (0, 0)
-    return t.data_ptr(), _DT[t.dtype], _DV[t.device], len(shape), s[0], s[1], st[0], st[1]
-
-
-def _desc2(name: str, t: object) -> tuple:
-    """_desc for an argument that should have two dimensions: every call reads several, so the usual case is the
-    quick one."""
-    if t is None:
-        return _NONE
-    try:
-        s0, s1 = t.shape
-        t0, t1 = t.stride()
-        return t.data_ptr(), _DT[t.dtype], _DV[t.device], 2, s0, s1, t0, t1
-    except (AttributeError, TypeError, ValueError):
-        return _desc(name, t)
-
-
-def _desc1(name: str, t: object) -> tuple:
-    """_desc for an argument that should have one dimension."""
-    if t is None:
-        return _NONE
-    try:
-        s0, = t.shape
-        t0, = t.stride()
-        return t.data_ptr(), _DT[t.dtype], _DV[t.device], 1, s0, 0, t0, 0
-    except (AttributeError, TypeError, ValueError):
-        return _desc(name, t)
-
-
-def _int(name: str, value: object, low: int) -> int:
-    """An int argument (bools too, as DeepEP's binding takes them) that torch needs before the core checks it."""
-    if not isinstance(value, int):
-        raise ValueError(f"{name} = {value!r}: expected an int >= {low}")
-    return int(value)
-
-
-def _raise_int(e: TypeError, **ints) -> None:
-    """gopy refuses an argument that is not an int with a TypeError that names none: name the argument."""
-    for name, (value, low) in ints.items():
-        _int(name, value, low)
-    raise e
 
 
 def _align(n: int) -> int:
