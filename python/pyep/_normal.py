@@ -274,7 +274,8 @@ class NormalMode:
         # next dispatch like it (which holds in_rank, so this memory lives no longer than it would anyway).
         nxt = self._next_dispatch if key is not None and E > 0 and E % R == 0 else None
         at_handle = at_in_rank + _align(T * R)
-        room = _handle_layout(R, nxt[0], T, self._queued_capacity(R, T), E // R)[6] if nxt is not None else 0
+        cap = self._queued_capacity(R, T) if nxt is not None else 0  # the next dispatch's rows
+        room = _handle_layout(R, nxt[0], T, cap, E // R)[6] if nxt is not None else 0
         if key is not None:
             key += (room,)
         lay = self._layout
@@ -292,7 +293,7 @@ class NormalMode:
         # Launched: the next dispatch's rows, allocated while the kernel runs (see _take_rows_ahead).
         self._rows_ahead = None
         if nxt is not None:
-            n = _recv_layout(self._queued_capacity(R, T), *nxt[1:])[4]
+            n = _recv_layout(cap, *nxt[1:])[4]
             self._rows_ahead = (torch.empty(n, dtype=torch.float32, device=self._device), n, stream)
         if block is None:
             per_rank, per_expert, in_rank = lay[0], lay[1], lay[2]
