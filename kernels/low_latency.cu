@@ -115,6 +115,19 @@ PYEP_DEVICE void signal_peer(const LLParams& p, int r, u64* word, u64 v) {
         st_release_sys(word, v);
 }
 
+// Adds v to word (in peer r's region, from region(p, r)) after every row this rank has written or
+// put to r before it: the caller fenced (fence_acq_rel_sys after the block's barrier), so a relaxed
+// system-scope add is a release, and the thread does not wait for it.
+PYEP_DEVICE void signal_add_peer(const LLParams& p, int r, u64* word, u64 v) {
+#ifdef PYEP_LL_REMOTE
+    if (is_remote(p, r)) {
+        remote_signal_add(word, v, r);
+        return;
+    }
+#endif
+    red_add_relaxed_sys(word, v);
+}
+
 // One warp puts n bytes from src (local) to dst in remote peer r's region.
 PYEP_DEVICE void put_peer(int r, void* dst, const void* src, u64 n) {
 #ifdef PYEP_LL_REMOTE
@@ -127,6 +140,11 @@ PYEP_DEVICE bool masked(const LLParams& p, int r) {
 }
 PYEP_DEVICE u32 call_seq(const LLParams& p) {
     return static_cast<u32>(ld_volatile(reinterpret_cast<const u64*>(p.calls) + p.half)) + 1;
+}
+// A dispatch's seq among the dispatch calls of its half (a half's calls need not all be of one kind), which
+// its done words count; 0 in a combine.
+PYEP_DEVICE u32 dispatch_seq(const LLParams& p) {
+    return p.dcalls == 0 ? 0u : static_cast<u32>(ld_volatile(reinterpret_cast<const u64*>(p.dcalls) + p.half)) + 1;
 }
 
 // A wait for peer timed out: the peer is masked here, so that every later wait of the call on it
@@ -168,16 +186,17 @@ PYEP_DEVICE bool thread_wait(const LLParams& p, int peer, int what, Ready ready,
 
 // The start of a receive: every block counts itself, and the last (every block has read calls[h]
 // for its seq before counting) records the call received: calls[h] = seq for the next call on the
-// half, and pending[h] = seq for the acknowledgements that the next kernel sends
-// (acknowledge_pending). So the receive ends when its last row is read: no grid count, system-scope
+// half (a dispatch's dcalls[h] = dseq likewise), and pending[h] = seq for the acknowledgements that
+// the next kernel sends (acknowledge_pending). So the receive ends when its last row is read: no grid count, system-scope
 // fence and peer stores at its end (2-3 µs of the last block's end, on H200s).
-PYEP_DEVICE void count_recv(const LLParams& p, u32 seq) {
+PYEP_DEVICE void count_recv(const LLParams& p, u32 seq, u32 dseq) {
     __syncthreads();  // every thread of the block has read its seq
     if (threadIdx.x != 0) return;
     i32* counter = reinterpret_cast<i32*>(p.counter);
     if (atomic_add_acq_rel_gpu(counter, 1) != static_cast<int>(gridDim.x) - 1) return;
     st_volatile(counter, 0);
     st_volatile(reinterpret_cast<u32*>(p.pending) + p.half, seq);
+    if (p.dcalls != 0) st_volatile(reinterpret_cast<u64*>(p.dcalls) + p.half, static_cast<u64>(dseq));
     st_relaxed_sys(reinterpret_cast<u64*>(p.calls) + p.half, static_cast<u64>(seq));
 }
 
@@ -204,15 +223,16 @@ PYEP_DEVICE void acknowledge_pending(const LLParams& p) {
 }
 
 // A kernel: its call's send phase, its receive phase, or both, as p.phases says. kDone is the
-// receive's last timeline stamp (params.h; nothing without PYEP_LL_TIMELINE).
+// receive's last timeline stamp (params.h; nothing without PYEP_LL_TIMELINE). The receive gets the
+// call's seq and, in a dispatch, its dispatch seq (dispatch_seq).
 template <int kDone, typename Send, typename Recv>
 PYEP_DEVICE void run_phases(const LLParams& p, Send send, Recv recv) {
-    const u32 seq = call_seq(p);
+    const u32 seq = call_seq(p), dseq = dispatch_seq(p);
     acknowledge_pending(p);
     if (p.phases & kPhaseSend) send(p, seq);
     if (p.phases & kPhaseRecv) {
-        count_recv(p, seq);
-        recv(p, seq);
+        count_recv(p, seq, dseq);
+        recv(p, seq, dseq);
         PYEP_LL_STAMP(p, kDone);
     }
 }

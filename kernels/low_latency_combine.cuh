@@ -308,7 +308,7 @@ PYEP_DEVICE void send_deferred(const LLParams& p, u32 seq) {
 constexpr int kCombineGroup = 2;  // chunks an item sums: a token's indices and weights are loaded once for them
 constexpr int kGroups = (kChunks + kCombineGroup - 1) / kCombineGroup;
 constexpr int kMaskCache = 64;  // ranks whose mask the block keeps in shared memory
-PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq) {
+PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq, u32 /* a dispatch's seq */) {
     PYEP_SHARED(i32, s_mask, kMaskCache);
     const int lane = lane_id(), R = p.num_ranks, E = p.num_experts, L = E / R, M = p.max_tokens;
     const u64* flags = reinterpret_cast<const u64*>(local(p) + p.off_cflags);

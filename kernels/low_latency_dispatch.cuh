@@ -198,17 +198,27 @@ PYEP_DEVICE void write_header(u8* head, u32 seq, int q, const i32* s_g, const i3
 // selected g, and its leg, the token's first selection of an expert on g's rank, which leads the
 // token's message to that rank (whether the rank may be written is asked once a leg). A leg's
 // thread writes the message's header (its selections' entries) and places its body, then the warps
-// cast each chunk of every token once and write it into the body of every leg of the token. After a
-// barrier, every selection counts itself in g's counter (p.expert_sent), and the selection that
-// completes g's count (every block knows how many tokens selected g) stores g's flag
-// seq << 32 | count: a flag means that every message with an entry for g is written. Experts that no
-// token selected get their flag (count 0) from block g % G, which asks for its experts (kOwn a
-// batch) in the same counting pass as its tokens' selections. A leg whose rank is remote is not
-// written there: the token's body is cast once into this rank's send area (body t) and the leg's
-// header staged there too (header [rank][t], after the M bodies); after the barrier a warp puts
-// both from there to the rank, before any count (a barrier again); its flag is a signal.
+// cast each chunk of every token once and write it into the body of every leg of the token.
+// Expert g's flag, seq << 32 | count (every block knows how many tokens selected g), is stored
+// early, by block g % G, which asks about its experts (kOwn a batch) in the same counting pass as
+// its tokens' selections. What says that the messages are written is the done word of this rank
+// at each destination: once all its messages are written, every block fences once and adds its
+// share of kDoneShares to it (a red, no reply awaited), so the word reaches seq * kDoneShares when
+// every block's messages of call seq are there. (Each selection used to count itself in its
+// expert's counter, and the one completing the count fenced again and stored the flag: 2.5-3 µs
+// of the send's end on two H200s, bench/results/h200x2-2026-11-27-done.) A leg whose rank is
+// remote is not written there: the token's body is cast once into this rank's send area (body t)
+// and the leg's header staged there too (header [rank][t], after the M bodies); after the barrier
+// a warp puts both from there to the rank; the flags and the done word's add are signals.
 constexpr int kSel = kBatch * kTopk;  // selections of a batch
-constexpr int kOwn = 16;              // experts a block asks about for their zero flags, a batch
+constexpr int kOwn = 16;              // experts a block asks about for their flags, a batch
+constexpr u64 kDoneShares = 1ull << 20;  // what the blocks of a call add to a done word, together
+
+// Block b's share of kDoneShares (of G blocks): the shares of any grid sum to kDoneShares, so the
+// receiver need not know the sender's grid.
+PYEP_DEVICE u64 done_share(int b, int G) { return kDoneShares * (b + 1) / G - kDoneShares * b / G; }
+// Source src's done word in rank r's half.
+PYEP_DEVICE u64* done_word(const LLParams& p, int r, int src) { return reinterpret_cast<u64*>(region(p, r) + p.off_ddone) + src; }
 PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     // Queries [0, S) are the batch's selections, [S, S + own) the experts the block flags when no token selected them.
     PYEP_SHARED(i32, s_g, kSel + kOwn);       // query q's expert, or -1 (none, or a repeat)
@@ -222,7 +232,6 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
               E = p.num_experts, L = E / R, T = p.num_tokens, M = p.max_tokens, G = static_cast<int>(gridDim.x),
               b = static_cast<int>(blockIdx.x);
     const i64* idx = reinterpret_cast<const i64*>(p.topk_idx);
-    i32* sent = reinterpret_cast<i32*>(p.expert_sent);
     auto flag = [&](int g) { return reinterpret_cast<u64*>(region(p, g / L) + p.off_dflags) + (g % L) * R + p.rank; };
     u8* staged = local(p) + p.off_send;  // remote ranks' messages: bodies by token, then headers by (rank, token)
     u8* staged_heads = staged + static_cast<u64>(M) * kBodyBytes;
@@ -275,13 +284,15 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
             count_selections(p, s_g, s_t, S + own, s_before, s_total);
         __syncthreads();
         PYEP_LL_STAMP(p, PYEP_LL_DS_COUNTED);
+        // The flags of the experts the block asks about: ordered by the done words, not by themselves.
         for (int q = tid; q < own; q += kThreads) {
             const int g = s_g[S + q];
-            if (s_total[S + q] == 0 && may_send(p, g / L, seq)) signal_peer(p, g / L, flag(g), static_cast<u64>(seq) << 32);
+            if (may_send(p, g / L, seq))
+                signal_peer<true>(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[S + q]));
         }
         asked += own;
         if (P == 0) {  // block-uniform
-            PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_SLOTS, PYEP_LL_DS_FLAGGED);  // a round with no token writes nothing
+            PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_SLOTS, PYEP_LL_DS_WRITTEN);  // a round with no token writes nothing
             continue;
         }
         // A thread a leg that may be written: its header (staged, for a remote rank) and its body's place.
@@ -320,8 +331,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         PYEP_LL_STAMP(p, PYEP_LL_DS_CAST);
         __syncthreads();  // the block's messages are written
         PYEP_LL_STAMP(p, PYEP_LL_DS_WRITTEN);
-        PYEP_LL_STAMP(p, PYEP_LL_DS_FENCED);  // in case thread 0 has no selection to count
-        if (kRemote) {
+        if (kRemote)
             for (int s = warp; s < S; s += kWarps)
                 if (s_rslot[s] != 0) {  // warp-uniform
                     const int d = s_g[s] / L, t = s_t[s];
@@ -329,29 +339,26 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
                     put_peer(d, region(p, d) + p.off_heads + message(t) * p.msg_header, staged_heads + (static_cast<u64>(d) * M + t) * p.msg_header,
                              p.msg_header);
                 }
-            __syncthreads();  // every put of the block is issued before any of its counts
-        }
-        for (int s = tid; s < S; s += kThreads) {
-            const int g = s_g[s];
-            if (g < 0) continue;
-            fence_acq_rel_sys();  // the block's messages (ordered before this by the barrier) before the count
-            if (s == tid) PYEP_LL_STAMP(p, PYEP_LL_DS_FENCED);
-            if (atomicAdd(sent + g, 1) + 1 != s_total[s]) continue;
-            // The last of g's selections: every block's messages with an entry for g are ordered before this.
-            fence_acq_rel_sys();
-            st_volatile(sent + g, 0);  // for the next call (a later kernel)
-            if (!masked(p, g / L))
-                signal_peer<true>(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[s]));
-        }
-        PYEP_LL_STAMP(p, PYEP_LL_DS_FLAGGED);
     }
-    if (b >= T && owned == 0) PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_SETTLED, PYEP_LL_DS_FLAGGED);  // a block with nothing to do
+    if (b >= T && owned == 0) PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_SETTLED, PYEP_LL_DS_WRITTEN);  // a block with nothing to do
+    // Every block, once its messages are written (or put) and its flags stored: its share to this rank's
+    // done word at every rank not masked, a thread a rank, each after a fence (which the barrier makes
+    // cover the whole block's stores).
+    __syncthreads();
+    for (int r = tid; r < R; r += kThreads) {
+        if (masked(p, r)) continue;
+        fence_acq_rel_sys();
+        if (r == tid) PYEP_LL_STAMP(p, PYEP_LL_DS_FENCED);
+        signal_add_peer(p, r, done_word(p, r, p.rank), done_share(b, G));
+    }
+    PYEP_LL_STAMP(p, PYEP_LL_DS_FLAGGED);
 }
 
-// Receive: the flags first (a thread an (expert, source) pair): pair (j, s)'s count and, by their
-// prefix sums, its first row among j's. Once every flag of source s arrived, every message of s's for
-// this call is written (each has an entry of an expert whose flag says so), and its header is the one
-// with this call's seq. An item is an entry of a message: the message's body becomes row
+// Receive: the done words first (a thread a source), then the flags (a thread an (expert, source)
+// pair): pair (j, s)'s count and, by their prefix sums, its first row among j's. Once s's done word
+// reached dseq * kDoneShares (dseq: the call's seq among the half's dispatch calls, run_phases),
+// every message and flag of s's for this call is written, and a message's
+// header is the one with this call's seq. An item is an entry of a message: the message's body becomes row
 // j * RM + begin(j, s) + slot of recv_x, its token that row's src_info. The items are dealt to the
 // blocks by the prefix sums of the messages' entries; a message's body is read once an entry (the
 // repeats are L2 hits).
@@ -362,22 +369,28 @@ PYEP_DEVICE int flag_count(const LLParams& p, u64 v) {
     return n < p.max_tokens ? n : p.max_tokens;
 }
 
-// Source r's count of messages for local expert j, once its flag for this call arrived (0 when r
-// is masked or timed out); charge: whether this thread adds the wait to r's statistics.
-PYEP_DEVICE int source_count(const LLParams& p, int j, int r, u32 seq, bool charge) {
-    if (masked(p, r)) return 0;
-    const u64* f = reinterpret_cast<const u64*>(local(p) + p.off_dflags) + j * p.num_ranks + r;
-    u64 v = 0, spent;
-    const bool ok = thread_wait(p, r, kWaitDispatch, [&] { return static_cast<u32>((v = ld_acquire_sys(f)) >> 32) == seq; }, spent);
-    if (charge && p.wait_stats != 0)
-        atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + r, static_cast<unsigned long long>(spent));
-    return ok ? flag_count(p, v) : 0;
+// Waits until every source's done word says that its messages and flags of this call are written
+// (a thread a source; 0 for a source masked or timed out), then the block's barrier, which orders
+// every thread's reads of them after the waits. Block r % G adds source r's wait to its statistics.
+PYEP_DEVICE void wait_sources(const LLParams& p, u32 dseq) {
+    const int G = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
+    for (int r = static_cast<int>(threadIdx.x); r < p.num_ranks; r += kThreads) {
+        if (masked(p, r)) continue;
+        const u64* w = done_word(p, p.rank, r);
+        const u64 want = static_cast<u64>(dseq) * kDoneShares;
+        u64 spent;
+        thread_wait(p, r, kWaitDispatch, [&] { return ld_acquire_sys(w) >= want; }, spent);
+        if (r % G == b && p.wait_stats != 0)
+            atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + r, static_cast<unsigned long long>(spent));
+    }
+    __syncthreads();
 }
 
-// The same count after the waits (source_count's of every pair already returned): no wait.
+// Source r's count of messages for local expert j, after wait_sources (0 when r is masked or timed
+// out, or its flag is not this call's).
 PYEP_DEVICE int arrived_count(const LLParams& p, int j, int r, u32 seq) {
     if (masked(p, r)) return 0;
-    const u64 v = ld_acquire_sys(reinterpret_cast<const u64*>(local(p) + p.off_dflags) + j * p.num_ranks + r);
+    const u64 v = ld_relaxed_sys(reinterpret_cast<const u64*>(local(p) + p.off_dflags) + j * p.num_ranks + r);
     return static_cast<u32>(v >> 32) == seq ? flag_count(p, v) : 0;
 }
 
@@ -395,9 +408,11 @@ PYEP_DEVICE const int* message_header(const LLParams& p, int i) {
     return reinterpret_cast<const int*>(local(p) + p.off_heads + static_cast<u64>(i) * p.msg_header);
 }
 
-// Message i's entries when its header is this call's (else 0), at most what its header holds.
-PYEP_DEVICE int message_entries(const LLParams& p, int i, u32 seq) {
-    const int4 h = ld_ring(reinterpret_cast<const int4*>(message_header(p, i)));
+// Message i's first 16 header bytes (seq, token, entries, the first entry).
+PYEP_DEVICE int4 message_head(const LLParams& p, int i) { return ld_ring(reinterpret_cast<const int4*>(message_header(p, i))); }
+
+// A message's entries when its header (h: message_head) is this call's (else 0), at most what its header holds.
+PYEP_DEVICE int message_entries(const LLParams& p, int4 h, u32 seq) {
     if (static_cast<u32>(h.x) != seq || h.z < 0) return 0;
     const int room = static_cast<int>(p.msg_header / 4) - kHeadWords, most = room < kTopk ? room : kTopk;
     return h.z < most ? h.z : most;
@@ -475,13 +490,13 @@ PYEP_DEVICE void move_items(const LLParams& p, int k0, int k1, Locate locate, Pl
 }
 
 // Receive, rows balanced over the blocks (when a block can hold every pair's count and every
-// message's entries): every block reads the counts of all pairs (local expert j, source s), j-major
-// (a thread a pair; pair c's owner, block c % G, charges the waits and records the pair), takes their
-// prefix sums, then reads every message's header and takes the prefix sums of their entries, and
-// moves an equal share of the items: its [N b / G, N (b + 1) / G) of the N, each item's message found
-// by a binary search over the sums. A block's time is then its share, not the units it was dealt
-// (whose rows vary with the routing).
-PYEP_DEVICE void dispatch_recv_balanced(const LLParams& p, u32 seq) {
+// message's entries): every block waits for the sources, then reads the counts of all pairs (local
+// expert j, source s), j-major (a thread a pair; pair c's owner, block c % G, records the pair) with
+// its first messages' headers in flight, takes the pairs' prefix sums, then those of the messages'
+// entries, and moves an equal share of the items: its [N b / G, N (b + 1) / G) of the N, each item's
+// message found by a binary search over the sums. A block's time is then its share, not the units it
+// was dealt (whose rows vary with the routing).
+PYEP_DEVICE void dispatch_recv_balanced(const LLParams& p, u32 seq, u32 dseq) {
     PYEP_SHARED(i32, s_warp, kWarps + 1);
     const int R = p.num_ranks, L = p.num_experts / R, NP = L * R, NM = R * p.max_tokens, G = static_cast<int>(gridDim.x);
     const int tid = static_cast<int>(threadIdx.x), b = static_cast<int>(blockIdx.x);
@@ -489,10 +504,12 @@ PYEP_DEVICE void dispatch_recv_balanced(const LLParams& p, u32 seq) {
     i32* s_first = reinterpret_cast<i32*>(dispatch_arena());  // pair c's first row among all received; [NP] = rows
     i32* s_mfirst = s_first + NP + 1;                           // message i's first item; [NM] = items
     PYEP_LL_STAMP_START(p, PYEP_LL_DR_START, PYEP_LL_DR_DONE);
+    wait_sources(p, dseq);
+    const int4 head0 = tid < NM ? message_head(p, tid) : int4{};  // in flight with the counts
     int carry = 0;
     for (int c0 = 0; c0 < NP; c0 += kThreads) {  // block-uniform
         const int c = c0 + tid;
-        const int n = c < NP ? source_count(p, c / R, c % R, seq, c % G == b) : 0;
+        const int n = c < NP ? arrived_count(p, c / R, c % R, seq) : 0;
         int total;
         const int before = block_exclusive_sum(n, s_warp, total);
         if (c < NP) s_first[c] = carry + before;
@@ -509,7 +526,7 @@ PYEP_DEVICE void dispatch_recv_balanced(const LLParams& p, u32 seq) {
     for (int i0 = 0; i0 < NM; i0 += kThreads) {  // block-uniform
         const int i = i0 + tid;
         int total;
-        const int before = block_exclusive_sum(i < NM ? message_entries(p, i, seq) : 0, s_warp, total);
+        const int before = block_exclusive_sum(i < NM ? message_entries(p, i0 == 0 ? head0 : message_head(p, i), seq) : 0, s_warp, total);
         if (i < NM) s_mfirst[i] = carry + before;
         carry += total;
     }
@@ -531,18 +548,17 @@ PYEP_DEVICE void dispatch_recv_balanced(const LLParams& p, u32 seq) {
 }
 
 // Receive in rounds (more pairs or messages than a block holds the sums of): every block waits for
-// every flag (a thread a pair) but keeps no count; a pair's owner (block c % G) records it, and a
-// row's place sums its sources' counts from the flags. Block b takes the messages in rounds of
+// the sources but keeps no count; a pair's owner (block c % G) records it, and a row's place sums its
+// sources' counts from the flags. Block b takes the messages in rounds of
 // kRowsRound, rounds b, b + G, ...: the round's entries' prefix sums, then its items.
-PYEP_DEVICE void dispatch_recv_rounds(const LLParams& p, u32 seq) {
+PYEP_DEVICE void dispatch_recv_rounds(const LLParams& p, u32 seq, u32 dseq) {
     PYEP_SHARED(i32, s_efirst, kRowsRound + 1);  // the round's message i0 + m's first item; [n] = items
     PYEP_SHARED(i32, s_warp, kWarps + 1);
     const int R = p.num_ranks, L = p.num_experts / R, NP = L * R, NM = R * p.max_tokens, G = static_cast<int>(gridDim.x);
     const int tid = static_cast<int>(threadIdx.x), b = static_cast<int>(blockIdx.x);
     const i64 RM = static_cast<i64>(R) * p.max_tokens;
     PYEP_LL_STAMP_START(p, PYEP_LL_DR_START, PYEP_LL_DR_DONE);
-    for (int c = tid; c < NP; c += kThreads) source_count(p, c / R, c % R, seq, c % G == b);
-    __syncthreads();  // every wait is over (each thread's acquire, then the barrier, orders the reads after)
+    wait_sources(p, dseq);
     PYEP_LL_STAMP(p, PYEP_LL_DR_FLAGS);
     auto begin = [&](int j, int s) {
         int n = 0;
@@ -554,7 +570,7 @@ PYEP_DEVICE void dispatch_recv_rounds(const LLParams& p, u32 seq) {
     for (int i0 = b * kRowsRound; i0 < NM; i0 += G * kRowsRound) {
         const int n = NM - i0 < kRowsRound ? NM - i0 : kRowsRound;
         int total;
-        const int before = block_exclusive_sum(tid < n ? message_entries(p, i0 + tid, seq) : 0, s_warp, total);
+        const int before = block_exclusive_sum(tid < n ? message_entries(p, message_head(p, i0 + tid), seq) : 0, s_warp, total);
         if (tid < n) s_efirst[tid] = before;
         if (tid == 0) s_efirst[n] = total;
         __syncthreads();
@@ -572,9 +588,9 @@ PYEP_DEVICE void dispatch_recv_rounds(const LLParams& p, u32 seq) {
 
 static_assert(kRowsRound <= kThreads, "a round's items are located a thread each");
 
-PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq) {
+PYEP_DEVICE void dispatch_recv(const LLParams& p, u32 seq, u32 dseq) {
     if (p.num_experts <= kPairsShared && p.num_ranks * p.max_tokens <= kMsgsShared)  // L * R pairs, R * M messages
-        dispatch_recv_balanced(p, seq);
+        dispatch_recv_balanced(p, seq, dseq);
     else
-        dispatch_recv_rounds(p, seq);
+        dispatch_recv_rounds(p, seq, dseq);
 }

@@ -141,13 +141,13 @@ struct pyep_ll_params {
     pyep_u64 timeout_ns;   // bound of every wait
     pyep_u64 calls;        // u64 [2]: calls received per half (this rank's engine memory)
     pyep_u64 counter;      // i32: blocks that started the receive (the last resets it; likewise)
-    pyep_u64 expert_sent;  // i32 [PYEP_LL_SENT_WORDS]: the send's counters (the last count resets each): a
-                           // dispatch's selections written per expert; a combine's blocks done and deferred
-                           // messages (low_latency_combine.cuh)
+    pyep_u64 expert_sent;  // a combine's: i32 [PYEP_LL_SENT_WORDS], its send's counters (the last count resets
+                           // each): blocks done and deferred messages (low_latency_combine.cuh); a dispatch's: 0
     pyep_u64 off_ack;      // u64 [2][R]: ack[h][p], written by p
     pyep_u64 off_mask;     // i32 [R]: 1 where a rank is masked (local)
     pyep_u64 off_dflags;   // u64 [E] of half h: dispatch flags at [j * R + src]
     pyep_u64 off_cflags;   // u64 [E] of half h: combine flags at [src] (the first R)
+    pyep_u64 off_ddone;    // u64 [R] of half h: dispatch done at [src], the shares of K a call src's blocks added
     pyep_u64 off_send;     // half h's send area (zero-copy combine rows)
     pyep_u64 off_recv;     // half h's recv area (a dispatch's message bodies from its start)
     pyep_u64 off_heads;    // half h's dispatch message headers (past a combine's rows in the recv area)
@@ -161,6 +161,8 @@ struct pyep_ll_params {
                         // acknowledgements the next kernel sends (0: none)
     pyep_u64 off_push;  // half h's push area: the combine's flags [R] (seq << 32 | tokens), then from the next 128
                         // bytes its selections [R][M][11] (int32 expert, float32 weight)
+    pyep_u64 dcalls;    // a dispatch's: u64 [2] (this rank's engine memory), the dispatch calls received per half,
+                        // which its done words count (a combine's: 0)
 };
 
 // The first failed wait of a low-latency call, in host-mapped memory.
@@ -181,13 +183,13 @@ struct pyep_ll_error {
     X(DS_START, "dispatch send", "start")                                                        \
     X(DS_SETTLED, "dispatch send", "settled")   /* selections read, acknowledgements awaited */  \
     X(DS_COUNTED, "dispatch send", "counted")   /* count_selections: every selection's slot */   \
-    X(DS_SLOTS, "dispatch send", "slots")       /* zero-count flags, slot addresses */          \
+    X(DS_SLOTS, "dispatch send", "slots")       /* the owned experts' flags, slot addresses */  \
     X(DS_CAST, "dispatch send", "cast")         /* thread 0's warp cast and wrote its chunks */  \
     X(DS_WRITTEN, "dispatch send", "written")   /* the block's barrier: every row written */     \
-    X(DS_FENCED, "dispatch send", "fenced")     /* thread 0's first count's fence */            \
-    X(DS_FLAGGED, "dispatch send", "flagged")   /* thread 0's counts and flags stored */         \
+    X(DS_FENCED, "dispatch send", "fenced")     /* thread 0's fence before its done add */     \
+    X(DS_FLAGGED, "dispatch send", "flagged")   /* thread 0's done add issued */               \
     X(DR_START, "dispatch recv", "start")                                                        \
-    X(DR_FLAGS, "dispatch recv", "flags")       /* every flag arrived */                         \
+    X(DR_FLAGS, "dispatch recv", "flags")       /* every done word arrived */                   \
     X(DR_SCANNED, "dispatch recv", "scanned")   /* the messages' headers read (rounds: the last) */ \
     X(DR_COPIED, "dispatch recv", "copied")     /* thread 0's vectors and ranges stored */       \
     X(DR_DONE, "dispatch recv", "done")         /* the receive's end */                         \
@@ -247,7 +249,7 @@ PYEP_ABI_SIZE(struct pyep_combine_params, 304);
 PYEP_ABI_SIZE(struct pyep_layout_params, 72);
 PYEP_ABI_SIZE(struct pyep_layout_work, 16);
 PYEP_ABI_SIZE(struct pyep_op_error, 64);
-PYEP_ABI_SIZE(struct pyep_ll_params, 264);
+PYEP_ABI_SIZE(struct pyep_ll_params, 280);
 PYEP_ABI_SIZE(struct pyep_ll_error, 32);
 #undef PYEP_ABI_SIZE
 

@@ -7,12 +7,13 @@
 //     this rank; src must stay unchanged until then. A warp collective: every lane calls it.
 //   - remote_signal(word, v, pe) stores the 8-byte v at word (named like dst) once every earlier
 //     put of this rank to pe has landed; a whole-word set. One thread calls it.
+//   - remote_signal_add(word, v, pe): the same, but adds v to the word (an atomic add at pe).
 // The receiver polls its own region with acquire loads, so its side is the same whichever way a
 // peer wrote. Only a kernel built with PYEP_LL_REMOTE has the pair (and needs NVSHMEM); a
 // one-node build compiles none of this.
 //
 // On a GPU the pair is NVSHMEM's: a non-blocking warp put, then nvshmem_quiet (every put of this
-// PE complete: delivered, and its source free) and a signal with NVSHMEM_SIGNAL_SET. The caller
+// PE complete: delivered, and its source free) and a signal with NVSHMEM_SIGNAL_SET (or _ADD). The caller
 // has ordered the puts of its block before the signal with a barrier. The emulator
 // (goep/cuda/emu/remote.h) records the puts and lands them only at the signal.
 #pragma once
@@ -34,6 +35,11 @@ PYEP_DEVICE void remote_put_warp(void* dst, const void* src, u64 n, int pe) {
 PYEP_DEVICE void remote_signal(u64* word, u64 v, int pe) {
     nvshmem_quiet();
     nvshmemx_signal_op(reinterpret_cast<uint64_t*>(word), static_cast<uint64_t>(v), NVSHMEM_SIGNAL_SET, pe);
+}
+
+PYEP_DEVICE void remote_signal_add(u64* word, u64 v, int pe) {
+    nvshmem_quiet();
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(word), static_cast<uint64_t>(v), NVSHMEM_SIGNAL_ADD, pe);
 }
 
 }  // namespace pyep

@@ -130,6 +130,12 @@ PYEP_DEVICE void red_add_release_sys(i32* p, i32 v) {
     asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Adds v to *p (this GPU's memory or a peer's) with no ordering of its own: a fence before it makes
+// it a release (the classic fence, then relaxed RMW); red, so the thread does not wait for the reply.
+PYEP_DEVICE void red_add_relaxed_sys(u64* p, u64 v) {
+    asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // Adds v to *p and returns the old value, with acquire and release semantics among this GPU's blocks.
 PYEP_DEVICE i32 atomic_add_acq_rel_gpu(i32* p, i32 v) {
     i32 old;

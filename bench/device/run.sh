@@ -7,8 +7,8 @@
 #   suite:N[:mps]    PYEP_TEST_DEVICE=cuda torchrun --nproc-per-node N -m pytest tests (ranks share GPUs when N
 #                    exceeds them; ":mps" starts the CUDA MPS daemon for the stage; SUITE_TESTS picks tests;
 #                    each rank's output is kept apart in suite-N-ranks/)
-#   deepep-tests:N   DeepEP's tests/test_intranode.py and test_low_latency.py, unmodified, --num-processes N:
-#                    on pyep (bench/deepep/run_deepep_test.sh), then on DeepEP itself
+#   deepep-tests:N   DeepEP's tests/test_intranode.py and test_low_latency.py (DEEPEP_TESTS picks), unmodified,
+#                    --num-processes N: on pyep (bench/deepep/run_deepep_test.sh), then on DeepEP itself
 #   bench:N          python -m pyep.bench --quick with N ranks: pyep, NCCL's baseline, and DeepEP when it built
 #   ll-bench:N[:K]   python -m pyep.bench --quick --ll with N ranks (pyep and DeepEP); with K, also pyep's rows on
 #                    emulated nodes of K ranks (--ll-nodes K)
@@ -83,13 +83,13 @@ suite() {  # N [mps]
 
 deepep_tests() {  # N
     local rc=0 t
-    for t in test_intranode.py test_low_latency.py; do
+    for t in ${DEEPEP_TESTS:-test_intranode.py test_low_latency.py}; do
         timeout 300 bench/deepep/run_deepep_test.sh /tmp/deepep/tests "$RES/pyep-$t-$1.log" "$t" --num-processes "$1" \
             >/dev/null || rc=1
         tail -n 25 "$RES/pyep-$t-$1.log"
     done
     if deepep_ready; then
-        for t in test_intranode.py test_low_latency.py; do
+        for t in ${DEEPEP_TESTS:-test_intranode.py test_low_latency.py}; do
             echo "== DeepEP V1 itself: $t --num-processes $1"
             (cd /tmp/deepep/tests && PYTHONPATH=/tmp/deepep timeout 300 python3 "$t" --num-processes "$1") >"$RES/deepep-$t-$1.log" 2>&1 || rc=1
             tail -n 25 "$RES/deepep-$t-$1.log"

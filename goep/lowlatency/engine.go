@@ -253,7 +253,7 @@ func (e *Engine) barrier(op string) error {
 }
 
 // Clean is clean_low_latency_buffer: after a barrier, it zeroes this rank's flags (dispatch,
-// combine and push) and acks of shape s's layout, forgets the calls (seq 0) and their pending
+// combine, done and push) and acks of shape s's layout, forgets the calls (seq 0) and their pending
 // receives, and passes a second barrier, so that no peer writes for a new call before every
 // rank has cleaned.
 func (e *Engine) Clean(s Shape) error {
@@ -270,7 +270,7 @@ func (e *Engine) Clean(s Shape) error {
 	}
 	base := e.d.Regions[e.d.Rank]
 	for h := range 2 {
-		clear(unsafe.Slice((*byte)(at(base, l.DispatchFlags(h))), 2*l.FlagBytes))
+		clear(unsafe.Slice((*byte)(at(base, l.DispatchFlags(h))), 2*l.FlagBytes+l.DoneBytes))
 		clear(unsafe.Slice((*byte)(at(base, l.PushFlag(h, 0))), l.PushEntry(h, 0, 0, 0)-l.PushFlag(h, 0)))
 		e.pending[h] = nil
 	}

@@ -22,6 +22,10 @@ import (
 //	                             that src wrote for j, stored after those tokens
 //	  combine flags  [E]uint64   at [src] (the first R words): seq<<32 | 1, stored after every
 //	                             row that src sends this rank for the call
+//	  dispatch done  [R]uint64   at [src] (the cuda kernels'): the shares of K = 1<<20 that src's
+//	                             blocks added once their messages were written, K a call, so that
+//	                             it reaches seq*K once src's whole send of call seq is written;
+//	                             the kernels store the flags early and read them after it
 //	  send [SendBytes]      this rank's own staging: dispatch messages [M], or the rows
 //	                        [L][R*M][H] bf16 that a zero-copy combine sends
 //	  recv [RecvBytes]      dispatch: messages [L][R][M] ([local expert][source rank][slot]);
@@ -70,7 +74,8 @@ type Layout struct {
 	Shape
 	NumRanks, NumLocalExperts          int
 	DispatchMsgBytes, CombineMsgBytes  int64
-	FlagBytes, SendBytes, RecvBytes    int64
+	FlagBytes, DoneBytes               int64
+	SendBytes, RecvBytes               int64
 	PushBytes                          int64
 	HalfBytes, TotalBytes              int64
 	syncOff, ackOff, maskOff, halfBase int64
@@ -95,10 +100,11 @@ func NewLayout(numRanks int, s Shape) (Layout, error) {
 	l.DispatchMsgBytes = MsgHeaderBytes + max(2*H, H+4*(H/ScaleBlock))
 	l.CombineMsgBytes = 2 * H
 	l.FlagBytes = alignUp(8 * E)
+	l.DoneBytes = alignUp(8 * R)
 	l.SendBytes = alignUp(max(M*l.DispatchMsgBytes, E*M*l.CombineMsgBytes))
 	l.RecvBytes = alignUp(E * M * max(l.DispatchMsgBytes, l.CombineMsgBytes))
 	l.PushBytes = alignUp(8*R) + alignUp(8*R*M*MaxTopk)
-	l.HalfBytes = 2*l.FlagBytes + l.SendBytes + l.RecvBytes + l.PushBytes
+	l.HalfBytes = 2*l.FlagBytes + l.DoneBytes + l.SendBytes + l.RecvBytes + l.PushBytes
 	l.syncOff, l.ackOff, l.maskOff = 0, alignUp(8*R), alignUp(8*R)+alignUp(16*R)
 	l.halfBase = HeaderBytes(numRanks)
 	l.TotalBytes = l.halfBase + 2*l.HalfBytes
@@ -129,7 +135,8 @@ func (l Layout) Mask(p int) int64          { return l.maskOff + 4*int64(p) }
 func (l Layout) half(h int) int64          { return l.halfBase + int64(h)*l.HalfBytes }
 func (l Layout) DispatchFlags(h int) int64 { return l.half(h) }
 func (l Layout) CombineFlags(h int) int64  { return l.half(h) + l.FlagBytes }
-func (l Layout) Send(h int) int64          { return l.half(h) + 2*l.FlagBytes }
+func (l Layout) DispatchDone(h int) int64  { return l.half(h) + 2*l.FlagBytes }
+func (l Layout) Send(h int) int64          { return l.DispatchDone(h) + l.DoneBytes }
 func (l Layout) Recv(h int) int64          { return l.Send(h) + l.SendBytes }
 func (l Layout) Push(h int) int64          { return l.Recv(h) + l.RecvBytes }
 

@@ -30,8 +30,8 @@ func TestLayout(t *testing.T) {
 			assert.LessOrEqual(t, l.TotalBytes, deepEPHint(int64(c.M), int64(c.H), int64(c.R), int64(c.E)), "%+v", c)
 		}
 		// The areas follow each other without overlap, each 128-aligned.
-		offs := []int64{l.Sync(0), l.Ack(0, 0), l.Mask(0), l.DispatchFlags(0), l.CombineFlags(0), l.Send(0), l.Recv(0),
-			l.Push(0), l.DispatchFlags(1), l.CombineFlags(1), l.Send(1), l.Recv(1), l.Push(1), l.TotalBytes}
+		offs := []int64{l.Sync(0), l.Ack(0, 0), l.Mask(0), l.DispatchFlags(0), l.CombineFlags(0), l.DispatchDone(0), l.Send(0),
+			l.Recv(0), l.Push(0), l.DispatchFlags(1), l.CombineFlags(1), l.DispatchDone(1), l.Send(1), l.Recv(1), l.Push(1), l.TotalBytes}
 		for i := 1; i < len(offs); i++ {
 			assert.Less(t, offs[i-1], offs[i])
 			assert.Zero(t, offs[i]%align)

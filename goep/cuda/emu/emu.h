@@ -340,6 +340,7 @@ PYEP_DEVICE void st_release_cta(i32* p, i32 v) { __atomic_store_n(p, v, __ATOMIC
 PYEP_DEVICE u64 ld_acquire_cta(const u64* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 PYEP_DEVICE void st_release_cta(u64* p, u64 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 PYEP_DEVICE void red_add_release_cta(i32* p, i32 v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
+PYEP_DEVICE void red_add_relaxed_sys(u64* p, u64 v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 PYEP_DEVICE void fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 PYEP_DEVICE void fence_acq_rel_gpu() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 PYEP_DEVICE i32 atomic_add_acq_rel_gpu(i32* p, i32 v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }

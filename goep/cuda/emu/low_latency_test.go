@@ -128,6 +128,9 @@ type llCase struct {
 	drop int
 	// clean: clean_low_latency_buffer on every rank after the first round (the calls start again at seq 1).
 	clean bool
+	// skip: 1 + a round with no combine, so that the next round's dispatch runs on the half of the
+	// combine before it (a half's calls are not all of one kind); 0: none.
+	skip int
 }
 
 func (c llCase) String() string {
@@ -146,6 +149,9 @@ func (c llCase) String() string {
 	}
 	if c.clean {
 		s += "_clean"
+	}
+	if c.skip > 0 {
+		s += fmt.Sprintf("_no_combine_in_round%d", c.skip-1)
 	}
 	return s
 }
@@ -216,6 +222,11 @@ func TestEmulatedLowLatency(t *testing.T) {
 		// more (expert, source) pairs than a block holds the counts of (4 a thread): the receive
 		// that deals pairs to blocks in batches instead of balancing rows.
 		{R: 2, T: 6, H: 128, K: 3, E: 264, M: 8, fp8: true},
+		// a round with no combine: the dispatches after it find halves that a combine used last (the
+		// dispatch's done words count its own calls on a half, not the half's calls).
+		{R: 2, T: 6, H: 256, K: 3, E: 8, M: 8, fp8: true, skip: 2},
+		{R: 3, T: 5, H: 256, K: 2, E: 6, M: 6, hook: true, skip: 1},
+		{R: 2, T: 6, H: 128, K: 3, E: 264, M: 8, skip: 2},
 	} {
 		t.Run(c.String(), func(t *testing.T) { runLL(t, c) })
 	}
@@ -376,6 +387,9 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 		}
 		for _, f := range after {
 			f(gpu, false)
+		}
+		if round == c.skip-1 {
+			continue
 		}
 		// Combine the dispatched rows (as bf16: for FP8 the recv rows reinterpreted are as good as any data).
 		outRef := make([][]uint16, c.R)

@@ -30,15 +30,23 @@ PYEP_DEVICE void remote_put_warp(void* dst, const void* src, u64 n, int pe) {
     __syncwarp();
 }
 
-PYEP_DEVICE void remote_signal(u64* word, u64 v, int pe) {
+// Lands every put of this launch recorded for pe, newest first.
+PYEP_DEVICE void emu_land_puts(int pe) {
     ::emu::Launch* l = ::emu::self.launch;
-    {
-        std::lock_guard<std::mutex> g(l->m);
-        std::vector<::emu::Put>& puts = l->puts[pe];
-        for (size_t i = puts.size(); i-- > 0;) memcpy(puts[i].dst, puts[i].src, puts[i].n);
-        puts.clear();
-    }
+    std::lock_guard<std::mutex> g(l->m);
+    std::vector<::emu::Put>& puts = l->puts[pe];
+    for (size_t i = puts.size(); i-- > 0;) memcpy(puts[i].dst, puts[i].src, puts[i].n);
+    puts.clear();
+}
+
+PYEP_DEVICE void remote_signal(u64* word, u64 v, int pe) {
+    emu_land_puts(pe);
     __atomic_store_n(reinterpret_cast<u64*>(emu_unsymmetric(word)), v, __ATOMIC_RELEASE);
+}
+
+PYEP_DEVICE void remote_signal_add(u64* word, u64 v, int pe) {
+    emu_land_puts(pe);
+    __atomic_fetch_add(reinterpret_cast<u64*>(emu_unsymmetric(word)), v, __ATOMIC_RELEASE);
 }
 
 }  // namespace pyep

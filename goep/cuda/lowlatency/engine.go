@@ -36,16 +36,16 @@ const (
 	llPhaseSend = 1
 	llPhaseRecv = 2
 	// llLocalBytes: calls [2]u64, then the receive's block counter (i32), from llPendingOff the
-	// calls received but not yet acknowledged ([2]u32, a half each), then from llSentOff the
-	// dispatch send's counters, an i32 per expert (llMaxExperts), then the combine send's (its
-	// blocks done, the messages a hooked send deferred to its hook: kernels/low_latency_combine.cuh;
-	// the room of as many). Zero at the start and after clean; a kernel leaves them zero. A kernel
-	// finds its own as p.expert_sent.
-	llPendingOff     = 24
-	llSentOff        = 32
-	llMaxExperts     = llSentWords
-	llCombineSentOff = llSentOff + 4*llMaxExperts
-	llLocalBytes     = llCombineSentOff + 4*llMaxExperts
+	// calls received but not yet acknowledged ([2]u32, a half each), from llDispatchCallsOff the
+	// dispatch calls received ([2]u64, a half each: p.dcalls), then from llCombineSentOff the
+	// combine send's counters (its blocks done, the messages a hooked send deferred to its hook:
+	// kernels/low_latency_combine.cuh; an i32 per expert, llMaxExperts: p.expert_sent). Zero at the
+	// start and after clean; the counters are zero again after each kernel.
+	llPendingOff       = 24
+	llDispatchCallsOff = 32
+	llMaxExperts       = llSentWords
+	llCombineSentOff   = 128
+	llLocalBytes       = llCombineSentOff + 4*llMaxExperts
 )
 
 // Engine is one buffer's low-latency engine on a GPU.
@@ -317,8 +317,8 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 		remoteTable = u64(e.peersDev) + u64(8*e.n)
 	}
 	*p = llParams{peers: u64(e.peersDev), remote: remoteTable, err: u64(e.errDev), timeout_ns: u64(e.timeout.Nanoseconds()),
-		calls: u64(e.localDev), counter: u64(e.localDev) + 16, expert_sent: u64(e.localDev) + llSentOff, off_ack: u64(l.Ack(0, 0)), off_mask: u64(l.Mask(0)),
-		off_dflags: u64(l.DispatchFlags(h)), off_cflags: u64(l.CombineFlags(h)), off_send: u64(l.Send(h)),
+		calls: u64(e.localDev), counter: u64(e.localDev) + 16, off_ack: u64(l.Ack(0, 0)), off_mask: u64(l.Mask(0)),
+		off_dflags: u64(l.DispatchFlags(h)), off_cflags: u64(l.CombineFlags(h)), off_ddone: u64(l.DispatchDone(h)), off_send: u64(l.Send(h)),
 		off_recv: u64(l.Recv(h)), off_heads: u64(l.Recv(h) + msg.Heads), msg_header: u64(msg.Header),
 		x: u64(c.X), topk_idx: u64(c.TopkIdx), topk_weights: u64(c.TopkWeights),
 		recv_x: u64(c.RecvX), recv_scales: u64(c.RecvScales), src_info: u64(c.SrcInfo),
@@ -330,6 +330,8 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 	p.off_push = u64(l.Push(h))
 	if combine {
 		p.expert_sent = u64(e.localDev) + llCombineSentOff
+	} else {
+		p.dcalls = u64(e.localDev) + llDispatchCallsOff
 	}
 	if c.ZeroCopy {
 		p.zero_copy = 1
@@ -408,7 +410,7 @@ func (e *Engine) Clean(s lowlatency.Shape, masks bool) error {
 		return err
 	}
 	return e.idle(func() error {
-		zero := [][2]int64{{l.Ack(0, 0), 16 * int64(e.n)}, {l.DispatchFlags(0), 2 * l.FlagBytes}, {l.DispatchFlags(1), 2 * l.FlagBytes}}
+		zero := [][2]int64{{l.Ack(0, 0), 16 * int64(e.n)}, {l.DispatchFlags(0), 2*l.FlagBytes + l.DoneBytes}, {l.DispatchFlags(1), 2*l.FlagBytes + l.DoneBytes}}
 		// The dispatch headers and the combine's push flags too: the calls start again at seq 1, which a header or
 		// flag of before could hold.
 		for h := range 2 {
