@@ -23,9 +23,10 @@ import (
 //	  combine flags  [E]uint64   at [src] (the first R words): seq<<32 | 1, stored after every
 //	                             row that src sends this rank for the call
 //	  dispatch done  [R]uint64   at [src] (the cuda kernels'): the shares of K = 1<<20 that src's
-//	                             blocks added once their messages were written, K a call, so that
-//	                             it reaches seq*K once src's whole send of call seq is written;
-//	                             the kernels store the flags early and read them after it
+//	                             blocks added once their messages were written, K a dispatch call
+//	                             on the half, so it reaches n*K once src's whole send of the half's
+//	                             n-th dispatch call is written; those kernels store the flags early
+//	                             and read them after it (docs/low-latency.md, "Ordering")
 //	  send [SendBytes]      this rank's own staging: dispatch messages [M], or the rows
 //	                        [L][R*M][H] bf16 that a zero-copy combine sends
 //	  recv [RecvBytes]      dispatch: messages [L][R][M] ([local expert][source rank][slot]);
