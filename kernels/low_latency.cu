@@ -100,32 +100,26 @@ PYEP_DEVICE bool is_remote(const LLParams& p, int r) {
 // row this rank has written or put to r before it (the caller's barriers and fences order them).
 // kFenced: where what it must follow is ordered already (right after the caller's
 // fence_acq_rel_sys, or at a kernel's start after the kernels before it), a relaxed system-scope
-// store is a release already (st.release would fence again).
-template <bool kFenced = false>
+// store is a release already (st.release would fence again). kAdd (fenced only): adds v to the
+// word instead, a red whose reply the thread does not wait for (the dispatch's done words).
+template <bool kFenced = false, bool kAdd = false>
 PYEP_DEVICE void signal_peer(const LLParams& p, int r, u64* word, u64 v) {
+    static_assert(kFenced || !kAdd, "an add signals after the caller's fence");
 #ifdef PYEP_LL_REMOTE
     if (is_remote(p, r)) {
-        remote_signal(word, v, r);
+        if (kAdd)
+            remote_signal_add(word, v, r);
+        else
+            remote_signal(word, v, r);
         return;
     }
 #endif
-    if (kFenced)
+    if (kAdd)
+        red_add_relaxed_sys(word, v);
+    else if (kFenced)
         st_relaxed_sys(word, v);
     else
         st_release_sys(word, v);
-}
-
-// Adds v to word (in peer r's region, from region(p, r)) after every row this rank has written or
-// put to r before it: the caller fenced (fence_acq_rel_sys after the block's barrier), so a relaxed
-// system-scope add is a release, and the thread does not wait for it.
-PYEP_DEVICE void signal_add_peer(const LLParams& p, int r, u64* word, u64 v) {
-#ifdef PYEP_LL_REMOTE
-    if (is_remote(p, r)) {
-        remote_signal_add(word, v, r);
-        return;
-    }
-#endif
-    red_add_relaxed_sys(word, v);
 }
 
 // One warp puts n bytes from src (local) to dst in remote peer r's region.

@@ -349,7 +349,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         if (masked(p, r)) continue;
         fence_acq_rel_sys();
         if (r == tid) PYEP_LL_STAMP(p, PYEP_LL_DS_FENCED);
-        signal_add_peer(p, r, done_word(p, r, p.rank), done_share(b, G));
+        signal_peer<true, true>(p, r, done_word(p, r, p.rank), done_share(b, G));
     }
     PYEP_LL_STAMP(p, PYEP_LL_DS_FLAGGED);
 }
