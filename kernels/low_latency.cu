@@ -221,10 +221,14 @@ PYEP_DEVICE void acknowledge_pending(const LLParams& p) {
 // call's seq and, in a dispatch, its dispatch seq (dispatch_seq).
 template <int kDone, typename Send, typename Recv>
 PYEP_DEVICE void run_phases(const LLParams& p, Send send, Recv recv) {
-    const u32 seq = call_seq(p), dseq = dispatch_seq(p);
+    const u32 seq = call_seq(p);
     acknowledge_pending(p);
     if (p.phases & kPhaseSend) send(p, seq);
     if (p.phases & kPhaseRecv) {
+        // Read before this block counts itself in count_recv, whose last block updates it, as calls[h] above. Read at
+        // the kernel's start instead, it put the send's first stamp 0.5 µs later on two H200s (0.29-0.32 -> 0.86-0.90
+        // µs, bench/results/h200x2-2026-11-27-done).
+        const u32 dseq = dispatch_seq(p);
         count_recv(p, seq, dseq);
         recv(p, seq, dseq);
         PYEP_LL_STAMP(p, kDone);
