@@ -180,9 +180,10 @@ PYEP_DEVICE bool thread_wait(const LLParams& p, int peer, int what, Ready ready,
 
 // The start of a receive: every block counts itself, and the last (every block has read calls[h]
 // for its seq before counting) records the call received: calls[h] = seq for the next call on the
-// half (a dispatch's dcalls[h] = dseq likewise), and pending[h] = seq for the acknowledgements that
-// the next kernel sends (acknowledge_pending). So the receive ends when its last row is read: no grid count, system-scope
-// fence and peer stores at its end (2-3 µs of the last block's end, on H200s).
+// half (a dispatch's dcalls[h] = dseq likewise), and pending[h] = seq for the acknowledgements
+// that the next kernel sends (acknowledge_pending). So the receive ends when its last row is
+// read: no grid count, system-scope fence and peer stores at its end (2-3 µs of the last block's
+// end, on H200s).
 PYEP_DEVICE void count_recv(const LLParams& p, u32 seq, u32 dseq) {
     __syncthreads();  // every thread of the block has read its seq
     if (threadIdx.x != 0) return;
@@ -225,9 +226,9 @@ PYEP_DEVICE void run_phases(const LLParams& p, Send send, Recv recv) {
     acknowledge_pending(p);
     if (p.phases & kPhaseSend) send(p, seq);
     if (p.phases & kPhaseRecv) {
-        // Read before this block counts itself in count_recv, whose last block updates it, as calls[h] above. Read at
-        // the kernel's start instead, it put the send's first stamp 0.5 µs later on two H200s (0.29-0.32 -> 0.86-0.90
-        // µs, bench/results/h200x2-2026-11-27-done).
+        // Read before this block counts itself in count_recv, whose last block updates it (as calls[h]
+        // above). Read at the kernel's start, it came with the send's first stamp 0.5 µs later on two
+        // H200s (0.29-0.32 -> 0.86-0.90 µs, bench/results/h200x2-2026-11-27-done).
         const u32 dseq = dispatch_seq(p);
         count_recv(p, seq, dseq);
         recv(p, seq, dseq);
