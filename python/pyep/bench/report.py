@@ -25,6 +25,11 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
 
 
+def _gbps(x: float) -> float:
+    """A bandwidth kept to four significant digits: rounding to decimals made a slow cpu run's small figure 0.0."""
+    return float(f"{x:.4g}")
+
+
 def _bytes_of(op: str, recv_tokens: int, hidden: int) -> int:
     """Bytes DeepEP's tests count for an op on one rank: dispatch BF16, combine and alltoall, the received rows as BF16
     (combine's rows sent back are the same rows); FP8, that times (1 + 4/128) / 2; layout, none."""
@@ -57,8 +62,8 @@ def _merge(records: List[dict]) -> dict:
     out["time_us_min"] = round(min(r["min_us"] for r in per_rank), 3)
     out["time_us_max"] = round(max(r["max_us"] for r in per_rank), 3)
     gb = [r["gbps"] for r in per_rank if r["gbps"] is not None]
-    out["gbps_avg"] = round(statistics.fmean(gb), 3) if gb else None
-    out["gbps_min"] = round(min(gb), 3) if gb else None
+    out["gbps_avg"] = _gbps(statistics.fmean(gb)) if gb else None
+    out["gbps_min"] = _gbps(min(gb)) if gb else None
     for key in ("host_us", "launch_us", "result_us"):
         values = [r[key] for r in per_rank if r[key] is not None]
         out[key + "_avg"] = round(statistics.fmean(values), 3) if values else None

@@ -20,7 +20,7 @@ from .gpus import SHARED_NOTE, Placement, placement
 from .inputs import make_routing, make_x
 from .ll_runner import LowLatencyRunner
 from .plan import LL_OPS, Case, Plan, ll_nodes_key, make_plan
-from .report import Part, Progress, Table, _bytes_of, _err, _finish, _merge, _us, default_out_dir
+from .report import Part, Progress, Table, _bytes_of, _err, _finish, _gbps, _merge, _us, default_out_dir
 from .pyep_runner import PyepRunner
 from .timing import Timer
 
@@ -233,7 +233,7 @@ def _measure_stage(impl, case: Case, ops: List[str], full: bool, data: dict, pla
                           times_us=[_us(t) for t in times], host_us=_median_us(host.calls),
                           launch_us=_median_us(host.launches), result_us=_median_us(host.results),
                           recv_tokens=st["recv_tokens"], bytes=nbytes,
-                          gbps=round(nbytes / 1e9 / med, 3) if nbytes and med > 0 else None)
+                          gbps=_gbps(nbytes / 1e9 / med) if nbytes and med > 0 else None)
         except Exception as e:  # noqa: BLE001 - recorded for this op and case
             err = _err(e)
             if os.environ.get("PYEP_BENCH_DEBUG"):
