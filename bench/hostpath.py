@@ -12,7 +12,9 @@ before each one (torch.cuda.synchronize) and the medians of --iters calls:
     return  the call to its return (a dispatch waits for notify's count; the call's Python after the core included).
 Every dispatch passes the tensors its layout returned, as a model does, and its layout is made anew before it (untimed,
 before the device goes idle), as a model's layer makes it: the layout allocates ahead what the dispatch would (see
-the README's "Launch time"). A pyep build without LastEntryNs (before the host path) still gives launch and return.
+the README's "Notes on the Go binding"). Likewise every combine follows a dispatch (with its layout, untimed), whose
+handle it takes: the dispatch allocates ahead the combine's outputs (combine_again: the same combine after a combine,
+which allocates them). A pyep build without LastEntryNs (before the host path) still gives launch and return.
 """
 import argparse
 import json
@@ -90,14 +92,23 @@ def main(argv=None):
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
         layout.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
 
-    # What runs before each timed call, untimed: a dispatch's layout.
-    preps = {"dispatch_bf16": new_layout, "dispatch_fp8": new_layout}
+    state = {"handle": handle, "recv_w": recv_w}
+
+    def new_dispatch():  # a combine's dispatch, as in a layer
+        new_layout()
+        _, _, w, _, h, _ = buffer.dispatch(x_bf16, **layout, topk_idx=topk, topk_weights=weights)
+        state.update(handle=h, recv_w=w)
+
+    # What runs before each timed call, untimed: a dispatch's layout, a combine's dispatch.
+    preps = {"dispatch_bf16": new_layout, "dispatch_fp8": new_layout, "combine_bf16": new_dispatch}
     calls = {
         "layout": lambda: buffer.get_dispatch_layout(topk, E),
         "dispatch_bf16": lambda: buffer.dispatch(x_bf16, **layout, topk_idx=topk, topk_weights=weights),
         "dispatch_fp8": lambda: buffer.dispatch(x_fp8, **layout, topk_idx=topk, topk_weights=weights),
         "dispatch_cached": lambda: buffer.dispatch(x_bf16, handle=handle),
-        "combine_bf16": lambda: buffer.combine(y, handle, topk_weights=recv_w),
+        "combine_bf16": lambda: buffer.combine(y, state["handle"], topk_weights=state["recv_w"]),
+        # The same combine after a combine, with no dispatch between: nothing was allocated ahead for it.
+        "combine_again": lambda: buffer.combine(y, state["handle"], topk_weights=state["recv_w"]),
     }
     if args.default_device:  # after the inputs (made from a cpu generator), before the timed calls
         torch.set_default_device(device)

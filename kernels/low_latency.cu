@@ -277,6 +277,27 @@ PYEP_DEVICE bool may_send(const LLParams& p, int dst, u32 seq) {
     return thread_wait(p, dst, kWaitAck, [&] { return ld_acquire_sys(ack) >= seq - 1; }, spent);
 }
 
+// Which ranks this rank may write in this call: may_send, asked once a block for the first kThreads
+// ranks, rank d by thread kThreads - 1 - d (the threads a small batch of units leaves idle), so that
+// the acknowledgements' loads go out beside the first loads of the lower threads. ask_writable has no
+// barrier: the caller's next one must come before may_write; load_writable has one.
+struct Writable {
+    const LLParams& p;
+    u32 seq;
+    const i32* dok;
+};
+PYEP_DEVICE bool may_write(const Writable& w, int d) { return d < kThreads ? w.dok[d] != 0 : may_send(w.p, d, w.seq); }
+PYEP_DEVICE Writable ask_writable(const LLParams& p, u32 seq, i32* s_dok) {
+    const int d = kThreads - 1 - static_cast<int>(threadIdx.x);
+    if (d < p.num_ranks) s_dok[d] = may_send(p, d, seq) ? 1 : 0;
+    return Writable{p, seq, s_dok};
+}
+PYEP_DEVICE Writable load_writable(const LLParams& p, u32 seq, i32* s_dok) {
+    const Writable w = ask_writable(p, seq, s_dok);
+    __syncthreads();
+    return w;
+}
+
 // The exclusive prefix sum of one value a thread, in thread order, and the block's total. Every
 // thread of the block calls it (two barriers and one after, so that s_warp may be used again).
 PYEP_DEVICE int block_exclusive_sum(int v, i32* s_warp, int& total) {

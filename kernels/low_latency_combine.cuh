@@ -139,19 +139,6 @@ PYEP_DEVICE bool can_defer(const LLParams& p) {
     return kSentPerRank + R + (R * p.max_tokens + 31) / 32 <= PYEP_LL_SENT_WORDS;
 }
 
-// Which ranks this rank may write in this call: may_send, read once a block for the first kThreads.
-struct Writable {
-    const LLParams& p;
-    u32 seq;
-    const i32* dok;
-};
-PYEP_DEVICE bool may_write(const Writable& w, int d) { return d < kThreads ? w.dok[d] != 0 : may_send(w.p, d, w.seq); }
-PYEP_DEVICE Writable load_writable(const LLParams& p, u32 seq, i32* s_dok) {
-    for (int d = static_cast<int>(threadIdx.x); d < p.num_ranks && d < kThreads; d += kThreads) s_dok[d] = may_send(p, d, seq) ? 1 : 0;
-    __syncthreads();
-    return Writable{p, seq, s_dok};
-}
-
 // How send_messages treats a peer's messages: kSendWaiting waits for the peer's push; kSendDeferring (a
 // hooked send) sends them if the push is there and else marks them deferred (bit, counts) for the
 // receive hook; kSendDeferred (the hook) sends the marked ones, waiting for their pushes.

@@ -228,6 +228,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     PYEP_SHARED(i32, s_leg, kSel);            // selection q's leg (q: q leads it), or -1 (no expert)
     PYEP_SHARED(u64, s_slot, kSel);           // leg q's body at its rank (0: none, or not a leg), or the staged body
     PYEP_SHARED(u64, s_rslot, kSel);          // leg q's body at its rank when that is remote (0: none)
+    PYEP_SHARED(i32, s_dok, kThreads);        // whether rank d may be written (d < kThreads)
     const int warp = static_cast<int>(threadIdx.x) / 32, tid = static_cast<int>(threadIdx.x), R = p.num_ranks,
               E = p.num_experts, L = E / R, T = p.num_tokens, M = p.max_tokens, G = static_cast<int>(gridDim.x),
               b = static_cast<int>(blockIdx.x);
@@ -241,6 +242,8 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     u32* s_marks = dispatch_arena();
     const int W = (T + 31) / 32;
     const bool marked = E * W <= kMarkWords;  // block-uniform
+    // The acknowledgements' loads beside the selections' (the barriers of mark_selections or of the first batch order them).
+    const Writable writable = b < T || owned > 0 ? ask_writable(p, seq, s_dok) : Writable{p, seq, s_dok};
     if (marked && (b < T || owned > 0)) mark_selections(p, s_marks, W);
     for (int u0 = b, asked = 0; u0 < T || asked < owned; u0 += kBatch * G) {
         const int P = u0 < T ? batch_units(u0, T) : 0, S = P * kTopk;
@@ -274,8 +277,8 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         }
         for (int q = tid; q < own; q += kThreads) s_g[S + q] = b + (asked + q) * G, s_t[S + q] = 0, s_before[S + q] = 0, s_total[S + q] = 0;
         __syncthreads();
-        // A thread a leg: whether its rank may be written (acknowledgements awaited side by side).
-        for (int s = tid; s < S; s += kThreads) s_slot[s] = s_leg[s] == s && may_send(p, s_g[s] / L, seq) ? 1 : 0;
+        // A thread a leg: whether its rank may be written.
+        for (int s = tid; s < S; s += kThreads) s_slot[s] = s_leg[s] == s && may_write(writable, s_g[s] / L) ? 1 : 0;
         __syncthreads();
         PYEP_LL_STAMP(p, PYEP_LL_DS_SETTLED);
         if (marked)
@@ -287,7 +290,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         // The flags of the experts the block asks about: ordered by the done words, not by themselves.
         for (int q = tid; q < own; q += kThreads) {
             const int g = s_g[S + q];
-            if (may_send(p, g / L, seq))
+            if (may_write(writable, g / L))
                 signal_peer<true>(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[S + q]));
         }
         asked += own;

@@ -214,6 +214,55 @@ def test_layout_makes_room_for_the_next_dispatch(group, device):
         combines(recv_x, recv_w, handle)
 
 
+def test_dispatch_allocates_the_next_combines_outputs(group, device):
+    """After a usual combine, the usual dispatch (cached or not) allocates, after its launch, the outputs of the combine
+    like it (the dispatch's tokens and hidden size, the combine's dtype and weights, the same stream), and that
+    combine returns them instead of allocating; a combine that does not match them (no weights, async_finish) lets
+    them go and allocates as before. Every combine gives the reference."""
+    rt = RoundTrip(group, device, "combine-ahead")
+    me, E, buffer, x, topk, w = rt.me, rt.E, rt.buffer, rt.x, rt.topk, rt.w
+
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
+    fresh = pyep.Buffer(group, pyep.Buffer.get_dispatch_config(rt.R).get_nvl_buffer_size_hint(rt.case.hidden * 2, rt.R),
+                        explicitly_destroy=True)
+    try:
+        recv_x, _, recv_w, _, handle, _ = fresh.dispatch(x, topk_idx=topk, topk_weights=w, **layout_of(fresh, topk, E))
+        assert fresh._combine_ahead is None, "a combine's outputs allocated before any combine"
+        del recv_x, recv_w, handle
+    finally:
+        fresh.destroy()
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, **layout_of(buffer, topk, E))
+    y = expert_output(recv_x, me)
+    rt.combines(y, recv_w, handle)  # the usual combine, with weights: what the next dispatch prepares for
+
+    for name, dispatch in (("a dispatch", lambda: buffer.dispatch(x, topk_idx=topk, topk_weights=w,
+                                                                    **layout_of(buffer, topk, E))),
+                           ("a cached dispatch", lambda: buffer.dispatch(x, handle=handle))):
+        dispatch()
+        assert buffer._combine_ahead is not None, f"nothing allocated ahead by {name}"
+        ahead = buffer._combine_ahead[0]  # held, so that a new allocation cannot land on the same memory
+        combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
+        assert buffer._combine_ahead is None
+        assert storage(combined) == storage(ahead) == storage(combined_w), f"the combine after {name} allocated"
+        assert torch.equal(combined.cpu(), rt.ref_combined)
+        del ahead, combined, combined_w
+
+    others = [("no weights", lambda: buffer.combine(y, handle)),
+              ("async_finish", lambda: buffer.combine(y, handle, topk_weights=recv_w, async_finish=True))]
+    for name, combine in others:
+        buffer.dispatch(x, handle=handle)
+        ahead = buffer._combine_ahead[0]
+        combined, _, event = combine()
+        if name == "async_finish":
+            event.current_stream_wait()
+        assert buffer._combine_ahead is None, f"outputs ahead kept after a combine with {name}"
+        assert storage(combined) != storage(ahead), f"outputs ahead used by a combine with {name}"
+        assert torch.equal(combined.cpu(), rt.ref_combined)
+        del ahead, combined
+
+
 def test_calls_run_without_torch_function_modes(group, device):
     """Under a torch function mode (torch.set_default_device's, in DeepEP's tests) the layout, dispatch, cached
     dispatch and combine route no torch call through it (each would cost microseconds of Python), and return what

@@ -90,6 +90,10 @@ class NormalMode:
         # layout's handle room and rows ahead (see get_dispatch_layout); and those rows, with their size and stream.
         self._next_dispatch = None
         self._rows_ahead = None
+        # What the next combine will likely be, from the last usual one: (dtype code, top-k of its weights or 0); and
+        # its outputs' block that a usual dispatch allocated after its launch (see _prepare_combine).
+        self._next_combine = None
+        self._combine_ahead = None
         self._counts = array.array("i", bytes(4 * 64))  # num_recv_tokens_per_expert, written by the core
 
     # ---- per-call helpers ---------------------------------------------------------------------------------------
@@ -220,6 +224,17 @@ class NormalMode:
         if ahead is not None and ahead[1] == n and ahead[2] == stream and flags == _USUAL:
             return ahead[0]
         return self._empty(flags, n, torch.float32)
+
+    def _prepare_combine(self, flags: int, stream: int, T: int, H: int) -> None:
+        """After a usual dispatch's launch, while its kernel runs: the block of the outputs of the combine that follows
+        it in a layer ([T, H] of the last usual combine's dtype, and its weights), which that combine takes when it is
+        the usual call on the same stream with that shape (see combine; any other combine lets it go)."""
+        self._combine_ahead = None
+        nxt = self._next_combine
+        if nxt is None or flags != _USUAL or (self._cuda and _capturing()):
+            return
+        block, at = self._rows_block(flags, T, H, nxt[0], nxt[1])
+        self._combine_ahead = (block, at, (T, H) + nxt + (stream,))
 
     def _counts_for(self, n: int) -> int:
         """The address of room for n int32 counts."""
@@ -463,6 +478,7 @@ class NormalMode:
             raise _core.error(e) from None
         except TypeError as e:
             _raise_int(e, expert_alignment=(expert_alignment, 1), num_worst_tokens=(num_worst_tokens, 0))
+        self._prepare_combine(flags, stream, T, H)
         dtype = _DTYPE_OF[xt]
         recv_x = _rows(rb if dtype is torch.float32 else rb.view(dtype), 0, out, H)
         recv = recv_x if scales is None else (recv_x, _rows(rb if st != _INT32 else rb.view(torch.int32), rl[1], out, S))
@@ -499,6 +515,7 @@ class NormalMode:
                                stream, event, flags)
         except RuntimeError as e:
             raise _core.error(e) from None
+        self._prepare_combine(flags, stream, T, H)
         if scales is not None and S:
             recv = (_rows(block.view(dtype), 0, rows, H),
                     _rows(block if st != _INT32 else block.view(torch.int32), at_scales, rows, S))
@@ -558,7 +575,13 @@ class NormalMode:
         ap, at, av, an, a0, a1, as0, as1 = _desc2("bias[0]", bias0)
         bp, bt, bv, bn, b0, b1, bs0, bs1 = _desc2("bias[1]", bias1)
         dtype = _DTYPE_OF.get(xt, torch.uint8)
-        block, at_weights = self._rows_block(flags, T, H, xt, 0 if topk_weights is None else K)
+        Kw = 0 if topk_weights is None else K
+        ahead, self._combine_ahead = self._combine_ahead, None
+        if ahead is not None and flags == _USUAL and ahead[2] == (T, H, xt, Kw, stream):
+            block, at_weights = ahead[0], ahead[1]
+        else:
+            block, at_weights = self._rows_block(flags, T, H, xt, Kw)
+        del ahead
         combined_x, out = block, block.data_ptr()
         try:
             _go.Combine(self._rid, f0, f1, f2, f3, f4, xp, xt, xv, xn, x0, H, xs0, xs1, wp, wt, wv, wn, w0, K, ws0, ws1,
@@ -567,6 +590,8 @@ class NormalMode:
                         stream, event, flags)
         except RuntimeError as e:
             raise _core.error(e) from None
+        if flags == _USUAL:
+            self._next_combine = (xt, Kw)
         combined_weights = None
         if topk_weights is not None:
             combined_x = _rows(block.view(dtype), 0, T, H)

@@ -131,16 +131,21 @@ class EPRunner:
         return call, call, (lambda r: None), rc  # the usual call: nothing to join
 
     def host_prep(self, op: str, case: Case, data: dict, st: dict) -> Optional[Callable[[], None]]:
-        """What runs before each host-timed call, untimed: a dispatch gets a new layout, as in a model's layer (pyep's
-        layout allocates ahead for the dispatch that follows it)."""
-        if op not in ("dispatch_bf16", "dispatch_fp8"):
+        """What runs before each host-timed call, untimed, as in a model's layer: a dispatch gets a new layout, a combine
+        a new dispatch (with its layout) whose handle and rows it takes. pyep's layout allocates ahead for the dispatch
+        that follows it, and its dispatch for the combine."""
+        if op not in ("dispatch_bf16", "dispatch_fp8", "combine_bf16"):
             return None
 
-        def prep():
+        def layout():
             per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(st["topk_idx"], case.experts)
             st["kw"].update(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
                             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-        return prep
+
+        def dispatch():
+            layout()
+            st["recv_x"], _, _, _, st["handle"], _ = self.buffer.dispatch(data["x"], config=st["dcfg"].config, **st["kw"])
+        return dispatch if op == "combine_bf16" else layout
 
     def low_latency(self) -> LowLatencyRunner:
         """The implementation's low-latency runner (a Buffer of its own, made by its open)."""

@@ -283,8 +283,8 @@ def _finish(args, part: Part, table: Table, emit: Callable[[str], None]) -> dict
             "gbps": "per rank: bytes / median time; dispatch_bf16, dispatch_cached, combine_bf16, alltoall_bf16: recv_tokens * hidden * 2;"
                     " dispatch_fp8: that * (1 + 4/128) / 2; layout: none. Reported as average and min over ranks",
             "host": "host_us, launch_us, result_us: per rank, the median over host_iters calls of the usual call "
-                    "(DeepEP's defaults; baseline: the plain call), each after a barrier (and for a dispatch a new layout, "
-                    "untimed) with the device idle; across ranks, the average",
+                    "(DeepEP's defaults; baseline: the plain call), each after a barrier (and, untimed, for a dispatch a new "
+                    "layout, for a combine a new dispatch) with the device idle; across ranks, the average",
             "host_us": "call time: time.perf_counter from the Python call to its return, nothing synchronized inside "
                        "(DeepEP has no launch stamp: this is its host figure)",
             "launch_us": "pyep on cuda only: from the Python call to right after its last kernel launch (the core's "

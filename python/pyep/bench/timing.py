@@ -83,7 +83,7 @@ class Timer:
              launched: Optional[Callable[[], float]] = None,
              before: Optional[Callable[[], None]] = None) -> "HostTimes":
         """Host time of `iters` calls of `fn` (the usual call), each with the device idle before it (after `before`: a
-        barrier that keeps the ranks in step, and for a dispatch its new layout):
+        barrier that keeps the ranks in step, and for a dispatch its new layout, for a combine its dispatch):
         - calls: seconds from the Python call to its return, nothing synchronized inside;
         - launches (with `launched`, the time.perf_counter clock reading right after the implementation's
           latest kernel launch): seconds from the Python call to its last launch;
