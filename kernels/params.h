@@ -163,6 +163,8 @@ struct pyep_ll_params {
                         // bytes its selections [R][M][11] (int32 expert, float32 weight)
     pyep_u64 dcalls;    // a dispatch's: u64 [2] (this rank's engine memory), the dispatch calls received per half,
                         // which its done words count (a combine's: 0)
+    pyep_u64 local;     // this rank's region base (peers[rank]): read from the parameters, not the table, so that a
+                        // kernel's first access to its own region waits for no load
 };
 
 // The first failed wait of a low-latency call, in host-mapped memory.
@@ -249,7 +251,7 @@ PYEP_ABI_SIZE(struct pyep_combine_params, 304);
 PYEP_ABI_SIZE(struct pyep_layout_params, 72);
 PYEP_ABI_SIZE(struct pyep_layout_work, 16);
 PYEP_ABI_SIZE(struct pyep_op_error, 64);
-PYEP_ABI_SIZE(struct pyep_ll_params, 280);
+PYEP_ABI_SIZE(struct pyep_ll_params, 288);
 PYEP_ABI_SIZE(struct pyep_ll_error, 32);
 #undef PYEP_ABI_SIZE
 

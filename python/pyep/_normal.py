@@ -577,7 +577,8 @@ class NormalMode:
         dtype = _DTYPE_OF.get(xt, torch.uint8)
         Kw = 0 if topk_weights is None else K
         ahead, self._combine_ahead = self._combine_ahead, None
-        if ahead is not None and flags == _USUAL and ahead[2] == (T, H, xt, Kw, stream):
+        if ahead is not None and flags == _USUAL and ahead[2] == (T, H, xt, Kw, stream) and not (
+                self._cuda and _capturing()):
             block, at_weights = ahead[0], ahead[1]
         else:
             block, at_weights = self._rows_block(flags, T, H, xt, Kw)

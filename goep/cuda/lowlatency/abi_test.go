@@ -12,7 +12,7 @@ import (
 // The launch parameters cross to the kernels as raw bytes, declared once in kernels/params.h
 // (which asserts their sizes in every compiler that includes it): check the layout cgo gave Go.
 func TestParamLayouts(t *testing.T) {
-	assert.EqualValues(t, 280, unsafe.Sizeof(llParams{}))
+	assert.EqualValues(t, 288, unsafe.Sizeof(llParams{}))
 	assert.EqualValues(t, 128, unsafe.Offsetof(llParams{}.x))
 	assert.EqualValues(t, 216, unsafe.Offsetof(llParams{}.rank))
 	assert.EqualValues(t, 244, unsafe.Offsetof(llParams{}.zero_copy))

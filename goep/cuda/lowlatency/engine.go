@@ -327,6 +327,7 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 		rank: i32(e.rank), num_ranks: i32(e.n), num_experts: i32(c.Shape.NumExperts),
 		max_tokens: i32(c.Shape.MaxTokens), num_tokens: i32(c.NumTokens), half: i32(h), phases: llPhaseSend | llPhaseRecv}
 	p.pending = u64(e.localDev) + llPendingOff
+	p.local = u64(e.base)
 	p.off_push = u64(l.Push(h))
 	if combine {
 		p.expert_sent = u64(e.localDev) + llCombineSentOff
