@@ -223,6 +223,7 @@ class NormalMode:
         ahead, self._rows_ahead = self._rows_ahead, None
         if ahead is not None and ahead[1] == n and ahead[2] == stream and flags == _USUAL:
             return ahead[0]
+        del ahead  # let go first: its memory may serve this call
         return self._empty(flags, n, torch.float32)
 
     def _prepare_combine(self, flags: int, stream: int, T: int, H: int) -> None:
@@ -581,8 +582,8 @@ class NormalMode:
                 self._cuda and _capturing()):
             block, at_weights = ahead[0], ahead[1]
         else:
+            ahead = None  # let go first: its memory may serve this call
             block, at_weights = self._rows_block(flags, T, H, xt, Kw)
-        del ahead
         combined_x, out = block, block.data_ptr()
         try:
             _go.Combine(self._rid, f0, f1, f2, f3, f4, xp, xt, xv, xn, x0, H, xs0, xs1, wp, wt, wv, wn, w0, K, ws0, ws1,
