@@ -196,15 +196,16 @@ PYEP_DEVICE void write_header(u8* head, u32 seq, int q, const i32* s_g, const i3
 // Send: a unit is a token. For a batch of its tokens, the block settles every selection (expert g
 // of token t, once however often t selected g): its slot at g is the number of tokens before t that
 // selected g, and its leg, the token's first selection of an expert on g's rank, which leads the
-// token's message to that rank (whether the rank may be written is asked once a leg). A leg's
-// thread writes the message's header (its selections' entries) and places its body, then the warps
-// cast each chunk of every token once and write it into the body of every leg of the token.
+// token's message to that rank (whether a rank may be written is asked once a block, at its start:
+// ask_writable). A leg's thread writes the message's header (its selections' entries) and places its
+// body, then the warps cast each chunk of every token once and write it into the body of every leg
+// of the token.
 // Expert g's flag, seq << 32 | count (every block knows how many tokens selected g), is stored
 // early, by block g % G, which asks about its experts (kOwn a batch) in the same counting pass as
 // its tokens' selections. What says that the messages are written is the done word of this rank
 // at each destination: once all its messages are written, every block fences once and adds its
-// share of kDoneShares to it (a red, no reply awaited), so the word reaches seq * kDoneShares when
-// every block's messages of call seq are there. (Each selection used to count itself in its
+// share of kDoneShares to it (a red, no reply awaited), so the word reaches dseq * kDoneShares when
+// every block's messages of the half's dseq-th dispatch call are there. (Each selection used to count itself in its
 // expert's counter, and the one completing the count fenced again and stored the flag: 2.5-3 µs
 // of the send's end on two H200s, bench/results/h200x2-2026-11-27-done.) A leg whose rank is
 // remote is not written there: the token's body is cast once into this rank's send area (body t)
@@ -220,7 +221,7 @@ PYEP_DEVICE u64 done_share(int b, int G) { return kDoneShares * (b + 1) / G - kD
 // Source src's done word in rank r's half.
 PYEP_DEVICE u64* done_word(const LLParams& p, int r, int src) { return reinterpret_cast<u64*>(region(p, r) + p.off_ddone) + src; }
 PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
-    // Queries [0, S) are the batch's selections, [S, S + own) the experts the block flags when no token selected them.
+    // Queries [0, S) are the batch's selections, [S, S + own) the experts whose flags the block stores.
     PYEP_SHARED(i32, s_g, kSel + kOwn);       // query q's expert, or -1 (none, or a repeat)
     PYEP_SHARED(i32, s_t, kSel + kOwn);       // selection q's token
     PYEP_SHARED(i32, s_before, kSel + kOwn);  // tokens before q's that selected its expert
