@@ -7,7 +7,9 @@ For get_dispatch_layout, dispatch (BF16, FP8), cached dispatch and combine it ti
 before each one (torch.cuda.synchronize) and the medians of --iters calls:
     python  Python's part: from the call to the Go core's entry (LastEntryNs, the core's CLOCK_MONOTONIC stamp, which
             is time.perf_counter's clock);
-    go      from there to right after the last kernel launch (BufferLastLaunchNs; cuda only);
+    go      from there to right after the last kernel launch (BufferLastLaunchNs; cuda only), split into
+    core      the Go core up to the driver's launch call (BufferLastLaunchStartNs), and
+    driver    that call (cuLaunchKernel);
     launch  the two together: the call's host time up to its last launch;
     return  the call to its return (a dispatch waits for notify's count; the call's Python after the core included).
 Every dispatch passes the tensors its layout returned, as a model does, and its layout is made anew before it (untimed,
@@ -50,15 +52,19 @@ def parse_args(argv=None):
 
 
 def stamps(rid, cuda):
-    """The core's entry and last-launch stamps, in ns (None where this build or backend has none)."""
-    entry = launch = None
+    """The core's entry, its last launch's start and end stamps, in ns (None where this build or backend has none)."""
+    entry = start = launch = None
     try:
         entry = _core.call("LastEntryNs")
     except (AttributeError, _core.PyepError):
         pass
     if cuda:
         launch = _core.call("BufferLastLaunchNs", rid)
-    return entry, launch
+        try:
+            start = _core.call("BufferLastLaunchStartNs", rid)
+        except (AttributeError, _core.PyepError):
+            pass
+    return entry, start, launch
 
 
 def main(argv=None):
@@ -112,7 +118,7 @@ def main(argv=None):
     }
     if args.default_device:  # after the inputs (made from a cpu generator), before the timed calls
         torch.set_default_device(device)
-    columns = ("python", "go", "launch", "return")
+    columns = ("python", "core", "driver", "go", "launch", "return")
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "pyep": pyep.__version__,
               "tokens": T, "hidden": H, "topk": K, "experts": E, "num_sms": pyep.Buffer.num_sms, "iters": args.iters,
               "median_us": {}, "samples_us": {}}
@@ -130,7 +136,7 @@ def main(argv=None):
             t0 = time.perf_counter_ns()
             call()
             t1 = time.perf_counter_ns()
-            entry, launch = stamps(rid, cuda)
+            entry, start, launch = stamps(rid, cuda)
             if i < args.warmup:
                 continue
             samples["return"].append((t1 - t0) / 1e3)
@@ -140,6 +146,10 @@ def main(argv=None):
                 samples["launch"].append((launch - t0) / 1e3)
                 if entry is not None:
                     samples["go"].append((launch - entry) / 1e3)
+                if start is not None:
+                    samples["driver"].append((launch - start) / 1e3)
+                    if entry is not None:
+                        samples["core"].append((start - entry) / 1e3)
         if name == "layout":
             new_layout()  # the calls after it pass the last layout's tensors, as a model's dispatch does
         med = {c: round(statistics.median(v), 2) if v else None for c, v in samples.items()}

@@ -7,8 +7,9 @@ import "fmt"
 type StreamBackend interface {
 	// CommStreamHandle is the raw handle of the communication stream (a CUstream).
 	CommStreamHandle() uintptr
-	// LastLaunchNS is CLOCK_MONOTONIC (ns) right after the latest kernel launch (0 before any).
-	LastLaunchNS() int64
+	// LaunchStamps are CLOCK_MONOTONIC (ns) when the latest kernel launch entered the driver and
+	// right after it returned (0 before any).
+	LaunchStamps() (start, end int64)
 }
 
 // CommStream is the raw handle of the communication stream of the buffer's backend, for
@@ -21,12 +22,14 @@ func (b *Buffer) CommStream() (uintptr, error) {
 	return s.CommStreamHandle(), nil
 }
 
-// LastLaunchNS is CLOCK_MONOTONIC (Python's time.perf_counter clock), in nanoseconds, right
-// after the latest kernel launch of the buffer's device (0 before the first).
-func (b *Buffer) LastLaunchNS() (int64, error) {
+// LaunchStamps are CLOCK_MONOTONIC (Python's time.perf_counter clock), in nanoseconds, when the
+// latest kernel launch of the buffer's device entered the driver and right after it returned (0
+// before the first).
+func (b *Buffer) LaunchStamps() (start, end int64, err error) {
 	s, ok := b.backend.(StreamBackend)
 	if !ok {
-		return 0, fmt.Errorf("the %s backend launches no kernels", b.backend.Name())
+		return 0, 0, fmt.Errorf("the %s backend launches no kernels", b.backend.Name())
 	}
-	return s.LastLaunchNS(), nil
+	start, end = s.LaunchStamps()
+	return start, end, nil
 }

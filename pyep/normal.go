@@ -3,9 +3,9 @@ package pyep
 import (
 	"strings"
 	"sync/atomic"
-	_ "unsafe" // go:linkname
 
 	"github.com/pyep/pyep/goep"
+	"github.com/pyep/pyep/goep/cuda/driver"
 )
 
 // Normal-mode exports. Everything crosses as plain integers, which gopy's wrapper converts for
@@ -18,14 +18,11 @@ import (
 // Every check is goep's; each export returns an int64 (gopy's string returns cost an
 // allocation).
 
-//go:linkname nanotime runtime.nanotime
-func nanotime() int64
-
 // lastEntry is CLOCK_MONOTONIC when the latest normal-mode export was entered (LastEntryNs).
 var lastEntry atomic.Int64
 
 // entered stamps the entry of an export: with BufferLastLaunchNs, where a call's host time goes.
-func entered() { lastEntry.Store(nanotime()) }
+func entered() { lastEntry.Store(driver.MonotonicNS()) }
 
 // LastEntryNs is CLOCK_MONOTONIC (Python's time.perf_counter clock), in nanoseconds, when the
 // latest normal-mode export of this process was entered: the Python part of a call ends there.

@@ -25,7 +25,21 @@ func BufferLastLaunchNs(id int64) (ns int64, err error) {
 	if err != nil {
 		return 0, err
 	}
-	return b.LastLaunchNS()
+	_, ns, err = b.LaunchStamps()
+	return ns, err
+}
+
+// BufferLastLaunchStartNs is CLOCK_MONOTONIC, in nanoseconds, when the latest kernel launch of
+// the buffer's GPU entered the driver (0 before the first): with BufferLastLaunchNs, how long
+// the driver's launch took.
+func BufferLastLaunchStartNs(id int64) (ns int64, err error) {
+	defer guard("BufferLastLaunchStartNs", &err)
+	b, err := lookup(id)
+	if err != nil {
+		return 0, err
+	}
+	ns, _, err = b.LaunchStamps()
+	return ns, err
 }
 
 // SetOpTimeout sets the bound of every wait on a peer, in seconds, for calls made from now on

@@ -1,6 +1,8 @@
 package cuda
 
 import (
+	"unsafe"
+
 	"fmt"
 	"sync"
 
@@ -20,12 +22,22 @@ var _ goep.StreamBackend = (*Backend)(nil)
 // CommStreamHandle implements goep.StreamBackend: the communication stream's raw CUstream.
 func (b *Backend) CommStreamHandle() uintptr { return b.comm.Raw() }
 
-// LastLaunchNS implements goep.StreamBackend: CLOCK_MONOTONIC, in nanoseconds, right after this backend's latest kernel
-// launch (0 before the first): where a call's host time ends, for pyep.bench.
-func (b *Backend) LastLaunchNS() int64 { return b.lastLaunch.Load() }
+// LaunchStamps implements goep.StreamBackend: CLOCK_MONOTONIC, in nanoseconds, when this backend's latest kernel
+// launch entered the driver and right after it returned (0 before the first): where a call's host time ends, and how
+// much of it the driver's launch took, for pyep.bench and bench/hostpath.py.
+func (b *Backend) LaunchStamps() (start, end int64) { return b.launchStart.Load(), b.lastLaunch.Load() }
 
-// StampLaunch records that an engine just launched a kernel (LastLaunchNS).
-func (b *Backend) StampLaunch() { b.lastLaunch.Store(driver.MonotonicNS()) }
+// Launch queues kernel f on stream s with one parameter struct (a grid of grid blocks of block threads, no dynamic
+// shared memory), stamping the driver's call (LaunchStamps). Every engine's launch goes through it.
+func (b *Backend) Launch(f driver.Function, grid, block uint32, s driver.Stream, params unsafe.Pointer) error {
+	start := driver.MonotonicNS()
+	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{block, 1, 1}, 0, s, params); err != nil {
+		return err
+	}
+	b.launchStart.Store(start)
+	b.lastLaunch.Store(driver.MonotonicNS())
+	return nil
+}
 
 // WrapStream wraps a raw CUstream of this GPU that someone else owns, e.g. PyTorch's current
 // stream as Python passes it (torch.cuda.current_stream().cuda_stream); 0 is the legacy

@@ -15,7 +15,7 @@ import torch
 
 from . import _core, tuning
 from ._internode import tokens_per_node
-from ._tensors import (_BOOL, _DTYPE_OF, _DV, _INT32, _ITEMSIZE, _desc1, _desc2, _int, _raise_int, modes_on,
+from ._tensors import (_BOOL, _DTYPE_OF, _DV, _INT32, _ITEMSIZE, _NONE, _desc1, _desc2, _int, _raise_int, modes_on,
                        without_modes)
 from .config import Config
 from .utils import EventHandle, EventOverlap
@@ -174,12 +174,16 @@ class NormalMode:
         """(identity, num_tokens, channels, rows, the data addresses of the six tensors) of a handle that this buffer's
         dispatch returned. The core takes a handle's tensors as bare addresses: its first tensor carries the identity
         of the buffer and of the others, so that only the tuple this buffer returned passes."""
+        try:  # the usual handle in one go: unpacking and attribute errors fall through to the checks below
+            t0, t1, t2, t3, t4, t5 = handle
+            tag = t0._pyep_handle
+            if tag[0] == (self._rid, id(t1), id(t2), id(t3), id(t4), id(t5)):
+                return tag
+        except (TypeError, ValueError, AttributeError):
+            pass
         if not isinstance(handle, (tuple, list)) or len(handle) != 6:
             raise ValueError("handle: expected the 6-tuple returned by this buffer's dispatch")
-        tag = getattr(handle[0], "_pyep_handle", None)
-        if tag is None or tag[0] != (self._rid, id(handle[1]), id(handle[2]), id(handle[3]), id(handle[4]), id(handle[5])):
-            raise ValueError("handle: not returned by a dispatch of this buffer (a handle of another buffer?)")
-        return tag
+        raise ValueError("handle: not returned by a dispatch of this buffer (a handle of another buffer?)")
 
     def _remember(self, handle: tuple, T: int, C: int, rows: int, addresses: tuple) -> tuple:
         """Tags a handle with its identity, sizes and the data addresses of its six tensors (see _handle_meta)."""
@@ -565,16 +569,20 @@ class NormalMode:
         _, T, C, rows, rank_prefix, _, recv_channel_prefix, src_idx, _, send_head = self._handle_meta(handle)
         f0, f1, f2, f3, f4 = self._fields(config, "combine", C)
         stream, event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
-        if bias is None or not isinstance(bias, tuple):
-            bias0, bias1 = bias, None
-        elif len(bias) > 2:
-            raise ValueError(f"bias: expected None, a tensor or a pair of tensors, got {len(bias)} tensors")
-        else:
-            bias0, bias1 = tuple(bias) + (None,) * (2 - len(bias))
         xp, xt, xv, xn, x0, H, xs0, xs1 = _desc2("x", x)
         wp, wt, wv, wn, w0, K, ws0, ws1 = _desc2("topk_weights", topk_weights)
-        ap, at, av, an, a0, a1, as0, as1 = _desc2("bias[0]", bias0)
-        bp, bt, bv, bn, b0, b1, bs0, bs1 = _desc2("bias[1]", bias1)
+        if bias is None:
+            bias0 = bias1 = None
+            ap, at, av, an, a0, a1, as0, as1 = bp, bt, bv, bn, b0, b1, bs0, bs1 = _NONE
+        else:
+            if not isinstance(bias, tuple):
+                bias0, bias1 = bias, None
+            elif len(bias) > 2:
+                raise ValueError(f"bias: expected None, a tensor or a pair of tensors, got {len(bias)} tensors")
+            else:
+                bias0, bias1 = tuple(bias) + (None,) * (2 - len(bias))
+            ap, at, av, an, a0, a1, as0, as1 = _desc2("bias[0]", bias0)
+            bp, bt, bv, bn, b0, b1, bs0, bs1 = _desc2("bias[1]", bias1)
         dtype = _DTYPE_OF.get(xt, torch.uint8)
         Kw = 0 if topk_weights is None else K
         ahead, self._combine_ahead = self._combine_ahead, None

@@ -76,9 +76,6 @@ func load(name string) error {
 	return nil
 }
 
-// MonotonicNS reads CLOCK_MONOTONIC, in nanoseconds: the clock of Python's time.perf_counter.
-func MonotonicNS() int64 { return int64(C.pyep_monotonic_ns()) }
-
 // driverErrorText asks the loaded driver to name r.
 func driverErrorText(r Result) (name, desc string, ok bool) {
 	if !loaded.Load() {

@@ -8,14 +8,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-// CLOCK_MONOTONIC, the clock of Python's time.perf_counter.
-static int64_t pyep_monotonic_ns(void) {
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
 
 // Our own spelling of the cuda.h types we pass: the build must not need a CUDA toolkit. Handles
 // cross into Go as uintptr_t, which Go holds as plain integers.

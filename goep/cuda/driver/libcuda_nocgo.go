@@ -13,6 +13,3 @@ func Open() (Driver, error) {
 }
 
 func driverErrorText(Result) (string, string, bool) { return "", "", false }
-
-// MonotonicNS is 0: without cgo there is no launch to time.
-func MonotonicNS() int64 { return 0 }

@@ -243,7 +243,7 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) *caseRounds {
 	}
 	launched := make([]int64, R)
 	for r, e := range envs {
-		launched[r] = e.be.LastLaunchNS()
+		_, launched[r] = e.be.LaunchStamps()
 	}
 	noErrors(t, each(R, func(r int) error {
 		d := rd[r]
@@ -256,7 +256,9 @@ func runCase(t *testing.T, envs []*rankEnv, c rcase) *caseRounds {
 			RecvTopkWeights: d.recvW.t, SendHead: d.sendH.t})
 	}))
 	for r, e := range envs {
-		assert.Greater(t, e.be.LastLaunchNS(), launched[r], "rank %d: the dispatch's launch is stamped", r)
+		start, end := e.be.LaunchStamps()
+		assert.Greater(t, start, launched[r], "rank %d: the dispatch's launch is stamped", r)
+		assert.GreaterOrEqual(t, end, start, "rank %d: the launch's stamps are in order", r)
 	}
 	for r, d := range rd {
 		o := ref[r]

@@ -371,11 +371,7 @@ func (e *Engine) launch(f driver.Function, s driver.Stream, p *llParams, o cuda.
 		return fmt.Errorf("pyep: cuda: low-latency timeline: %d blocks, stamps for %d (the options changed after the buffer was made)",
 			grid, e.stamps.blocks)
 	}
-	if err := f.Launch([3]uint32{uint32(grid), 1, 1}, [3]uint32{uint32(o.LowLatencyThreads), 1, 1}, 0, s, unsafe.Pointer(p)); err != nil {
-		return err
-	}
-	e.b.StampLaunch()
-	return nil
+	return e.b.Launch(f, uint32(grid), uint32(o.LowLatencyThreads), s, unsafe.Pointer(p))
 }
 
 // Finish launches the receive phase on stream.

@@ -215,10 +215,9 @@ func (e *engine) launch(f driver.Function, grid, block uint32, params unsafe.Poi
 	if !e.ordered {
 		return fmt.Errorf("pyep: internal error: kernel %s launched before its call's stream order", f.Name())
 	}
-	if err := f.Launch([3]uint32{grid, 1, 1}, [3]uint32{block, 1, 1}, 0, e.stream, params); err != nil {
+	if err := e.b.Launch(f, grid, block, e.stream, params); err != nil {
 		return err
 	}
-	e.b.StampLaunch()
 	if debugSync {
 		if err := e.stream.Synchronize(); err != nil {
 			return fmt.Errorf("pyep: kernel %s failed: %w; launch parameters: %#v", f.Name(), err, *e.params)
