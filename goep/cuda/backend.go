@@ -65,9 +65,9 @@ type Backend struct {
 
 	comm driver.Stream // pyep's communication stream
 
-	// launchStart and lastLaunch are CLOCK_MONOTONIC (ns) when the latest kernel launch (Launch)
+	// launchStart and launchEnd are CLOCK_MONOTONIC (ns) when the latest kernel launch (Launch)
 	// entered the driver and after it returned.
-	launchStart, lastLaunch atomic.Int64
+	launchStart, launchEnd atomic.Int64
 
 	// ctrl is a private non-blocking stream for the control copies (zeroing, headers, release
 	// slots), so that they never queue behind other work; scratch is a pinned, device-mapped

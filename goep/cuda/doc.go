@@ -10,7 +10,7 @@
 // own that imports this one (goep/cuda/normal, goep/cuda/lowlatency), made for a buffer through
 // goep.Params.Engines, which the composition root (goep/api) sets. What the engines use
 // of the backend is exported for them: Enter (the context current on the OS thread), Driver and
-// Device, the communication stream (CommStream, StreamWaitEntered, StampLaunch), HostAlloc
+// Device, the communication stream (CommStream, StreamWaitEntered), Launch (every kernel launch, stamped), HostAlloc
 // (host-mapped records), SyncDevice, PtrOf (peers' regions as device addresses), RanksOnDevice,
 // and the device's compiled kernels (kernels.go: Kernel by KernelKey, compiled by goep/jit for
 // the GPU and the call's shape on a miss, shared by every buffer's engines; NormalOptions).

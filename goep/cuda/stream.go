@@ -1,10 +1,9 @@
 package cuda
 
 import (
-	"unsafe"
-
 	"fmt"
 	"sync"
+	"unsafe"
 
 	"github.com/pyep/pyep/goep"
 	"github.com/pyep/pyep/goep/cuda/driver"
@@ -25,7 +24,7 @@ func (b *Backend) CommStreamHandle() uintptr { return b.comm.Raw() }
 // LaunchStamps implements goep.StreamBackend: CLOCK_MONOTONIC, in nanoseconds, when this backend's latest kernel
 // launch entered the driver and right after it returned (0 before the first): where a call's host time ends, and how
 // much of it the driver's launch took, for pyep.bench and bench/hostpath.py.
-func (b *Backend) LaunchStamps() (start, end int64) { return b.launchStart.Load(), b.lastLaunch.Load() }
+func (b *Backend) LaunchStamps() (start, end int64) { return b.launchStart.Load(), b.launchEnd.Load() }
 
 // Launch queues kernel f on stream s with one parameter struct (a grid of grid blocks of block threads, no dynamic
 // shared memory), stamping the driver's call (LaunchStamps). Every engine's launch goes through it.
@@ -35,7 +34,7 @@ func (b *Backend) Launch(f driver.Function, grid, block uint32, s driver.Stream,
 		return err
 	}
 	b.launchStart.Store(start)
-	b.lastLaunch.Store(driver.MonotonicNS())
+	b.launchEnd.Store(driver.MonotonicNS())
 	return nil
 }
 
