@@ -25,6 +25,10 @@
 #                    table of the median µs of each op, a column a run (ab-N/)
 #   timeline:N       the same calls with the kernels' timeline (PYEP_LL_TIMELINE=1, ll_profile.py --timeline):
 #                    per kernel and phase, where each block's time goes, rank 0 and the slowest rank
+#   hostpath[:N]     bench/hostpath.py on GPU 0, N runs (default 2): each call's host time split into Python, the Go
+#                    core and the driver's launch (hostpath-I.log, hostpath-I.json)
+#   stamps:CALL      bench/device/call_stamps.py CALL (dispatch, combine or cached) on GPU 0: the call's Python split
+#                    at its steps (stamps-CALL.log)
 # Environment: DEEPEP_SRC (default .deepep: DeepEP V1's source, git archive 9249c25), RES (logs, default
 # /tmp/res), OUT (where res.tgz, all of RES, is written after every stage: the device tool's folder), STAGE_TIMEOUT (seconds a
 # stage may take, default 420). Every stage's output goes to $RES/<stage>.log; a failed stage does not stop
@@ -74,9 +78,15 @@ setup() {
 suite() {  # N [mps]
     [ "${2:-}" = mps ] && mps_on
     # Each rank's output also goes to its own file (torchrun --log-dir): the ranks' progress lines interleave.
-    PYEP_TEST_DEVICE=cuda torchrun --nproc-per-node "$1" --log-dir "$RES/suite-$1${2:+-$2}-ranks" --redirects 3 --tee 3 \
+    local dir="$RES/suite-$1${2:+-$2}-ranks" r f
+    PYEP_TEST_DEVICE=cuda torchrun --nproc-per-node "$1" --log-dir "$dir" --redirects 3 --tee 3 \
         -m pytest -q -rfE -p no:cacheprovider ${SUITE_TESTS:-tests}
     local rc=$?
+    # Each rank's log also as a flat file (a tool that brings files back may not descend into the log directory).
+    for ((r = 0; r < $1; r++)); do
+        f=$(ls -t "$dir"/*/attempt_0/"$r"/stdout.log 2>/dev/null | head -n 1)
+        [ -n "$f" ] && cp "$f" "$RES/suite-$1${2:+-$2}-rank$r.log"
+    done
     [ "${2:-}" = mps ] && mps_off
     return $rc
 }
@@ -155,6 +165,21 @@ timeline() {  # N
     PYEP_TIMEOUT_S=60 torchrun --nproc-per-node "$1" bench/device/ll_profile.py --timeline --iters 20
 }
 
+hostpath() {  # [N]
+    local i rc=0
+    for ((i = 1; i <= ${1:-2}; i++)); do
+        CUDA_VISIBLE_DEVICES=0 python3 bench/hostpath.py --iters 200 --json "$RES/hostpath-$i.json" \
+            >"$RES/hostpath-$i.log" 2>&1 || rc=1
+        grep -v -e Warning -e 'return func' "$RES/hostpath-$i.log"
+    done
+    return $rc
+}
+
+stamps() {  # CALL
+    # Outside the checkout, so that the installed pyep is the one whose source is stamped.
+    (cd /tmp && CUDA_VISIBLE_DEVICES=0 python3 "$root/bench/device/call_stamps.py" "$1")
+}
+
 for stage in "$@"; do
     IFS=: read -r name a b <<<"$stage"
     log="$RES/$(echo "$stage" | tr ':' '-').log"
@@ -170,6 +195,8 @@ for stage in "$@"; do
         ncu-ll) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f ncu_ll); ncu_ll $a" ;;
         timeline) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f timeline); timeline $a" ;;
         ab) mkdir -p "$RES/ab-$a" && timeout "$STAGE_TIMEOUT" bash -c "$(declare -f ab); ab $a ${b:-}" ;;
+        hostpath) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f hostpath); hostpath ${a:-}" ;;
+        stamps) timeout "$STAGE_TIMEOUT" bash -c "root=$root; $(declare -f stamps); stamps $a" ;;
         *) echo "unknown stage $stage"; false ;;
     esac > >(tee "$log") 2>&1
     rc=$?
