@@ -4,7 +4,7 @@ One rank (a gloo group of one, or --device cuda on one GPU) makes a real Buffer,
 replaced by stubs that return at once, so each figure is pyep's Python alone: the argument reads, the outputs'
 torch.empty (on the device given: CUDA's caching allocator costs more than the cpu one), the returned tuples, the
 gopy call's argument conversion up to the stub. The core's own part is measured by the Go benchmarks
-(`go test -bench . ./goep/cuda/hostpath/`), the whole host time on a GPU by `python -m pyep.bench` (launch µs).
+(`go test -run '^$' -bench HostPath ./goep/cuda/normal/`), the whole host time on a GPU by `python -m pyep.bench` (launch µs).
 
     python -m pyep.bench.overhead                      # cpu, 64 tokens, hidden 256, top-8 of 256 experts
     python -m pyep.bench.overhead --device cuda --tokens 4096 --hidden 7168
