@@ -16,7 +16,9 @@ Every dispatch passes the tensors its layout returned, as a model does, and its 
 before the device goes idle), as a model's layer makes it: the layout allocates ahead what the dispatch would (see
 the README's "Notes on the Go binding"). Likewise every combine follows a dispatch (with its layout, untimed), whose
 handle it takes: the dispatch allocates ahead the combine's outputs (combine_again: the same combine after a combine,
-which allocates them). A pyep build without LastEntryNs (before the host path) still gives launch and return.
+which allocates them). The layout also plans its dispatch, and the dispatch its combine (README, "Notes on the Go
+binding"): with PYEP_PLANS=0 they run unplanned, for an A/B. A pyep build without LastEntryNs (before the host path)
+still gives launch and return.
 """
 import argparse
 import json
@@ -45,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--json", help="also write the medians (and every sample) here")
     p.add_argument("--default-device", action="store_true",
                    help="torch.set_default_device(the device) first, as DeepEP's tests do (a torch function mode)")
+    p.add_argument("--side-stream", action="store_true",
+                   help="run the timed calls on a torch.cuda.Stream() of their own instead of the default (legacy) stream")
     p.add_argument("--harness", action="store_true",
                    help="also time each call as DeepEP V1's tests/utils.py bench does (calls back to back, events "
                         "around each): the event time, and the host time of the same calls")
@@ -116,14 +120,19 @@ def main(argv=None):
         # The same combine after a combine, with no dispatch between: nothing was allocated ahead for it.
         "combine_again": lambda: buffer.combine(y, state["handle"], topk_weights=state["recv_w"]),
     }
+    if cuda and args.side_stream:
+        torch.cuda.synchronize()
+        torch.cuda.set_stream(torch.cuda.Stream())
     if args.default_device:  # after the inputs (made from a cpu generator), before the timed calls
         torch.set_default_device(device)
     columns = ("python", "core", "driver", "go", "launch", "return")
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "pyep": pyep.__version__,
+              "plans": os.environ.get("PYEP_PLANS", "1") != "0", "side_stream": bool(cuda and args.side_stream),
               "tokens": T, "hidden": H, "topk": K, "experts": E, "num_sms": pyep.Buffer.num_sms, "iters": args.iters,
               "median_us": {}, "samples_us": {}}
     print(f"pyep {pyep.__version__} on {report['device']}: {T} tokens, hidden {H}, top-{K} of {E} experts, "
-          f"{pyep.Buffer.num_sms} SMs; medians of {args.iters} calls, the device idle before each (µs)")
+          f"{pyep.Buffer.num_sms} SMs; medians of {args.iters} calls, the device idle before each (µs); plans "
+          f"{'on' if report['plans'] else 'off (PYEP_PLANS=0)'}, {'a stream of its own' if report['side_stream'] else 'the default stream'}")
     print(f"{'call':16s}" + "".join(f"{c:>10s}" for c in columns))
     for name, call in calls.items():
         samples = {c: [] for c in columns}

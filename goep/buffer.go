@@ -61,6 +61,9 @@ type Buffer struct {
 	// rows (DispatchRecv); under mu.
 	pending     *DispatchOp
 	pendingRows int
+	// The layer's next dispatch and combine, as the calls before them planned them (normal_plan.go);
+	// under mu.
+	plans plans
 
 	// The engines of the modes this buffer ran (engine.go), in the order they were made; Destroy
 	// closes them before the memory. Low-latency and internode engines are siblings of normal.

@@ -193,3 +193,80 @@ func Combine(id int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int,
 		ChannelPrefix: channelPrefix, SendHead: sendHead, CombinedX: combinedX, CombinedTopkWeights: combinedWeights,
 		Order: goep.StreamOrder{Stream: stream, Event: event, Flags: flags}})
 }
+
+// PlanDispatch keeps, for the queued dispatch numbered num that follows a layout, all of its
+// arguments but x, its scales, topk_weights and expert_alignment (goep's plans): its config, the
+// layout's tensors, the handle's and recv tensors' addresses (capacity rows) and its stream. The
+// dispatch is the usual call (no event, its order's wait and join).
+func PlanDispatch(id, num int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv, capacity int,
+	iData uintptr, iType, iDev, iDim int, i0, i1, iS0, iS1 int64,
+	prData uintptr, prType, prDev, prDim int, pr0, pr1, prS0, prS1 int64,
+	peData uintptr, peType, peDev, peDim int, pe0, pe1, peS0, peS1 int64,
+	irData uintptr, irType, irDev, irDim int, ir0, ir1, irS0, irS1 int64,
+	rankPrefix, channelPrefix, recvChannelPrefix, recvPerExpert, sendHead, counts uintptr,
+	recvX, recvXScales, recvSrcIdx, recvTopkIdx, recvTopkWeights, stream uintptr) (_ int64, err error) {
+	defer guard("PlanDispatch", &err)
+	b, cfg, err := bufferWithConfig(id, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+	if err != nil {
+		return 0, err
+	}
+	b.PlanDispatch(num, dispatchArgs(cfg, 0, 0, goep.Desc{}, goep.Desc{}, desc(iData, iType, iDev, iDim, i0, i1, iS0, iS1),
+		goep.Desc{}, desc(prData, prType, prDev, prDim, pr0, pr1, prS0, prS1),
+		desc(peData, peType, peDev, peDim, pe0, pe1, peS0, peS1), desc(irData, irType, irDev, irDim, ir0, ir1, irS0, irS1),
+		rankPrefix, channelPrefix, recvChannelPrefix, recvPerExpert, sendHead, counts, stream, 0, goep.OrderWait|goep.OrderJoin),
+		goep.RecvTensors{Rows: capacity, X: recvX, XScales: recvXScales, SrcIdx: recvSrcIdx, TopkIdx: recvTopkIdx,
+			TopkWeights: recvTopkWeights})
+	return 0, nil
+}
+
+// DispatchPlanned is DispatchQueued of the plan numbered num (PlanDispatch) with x, its scales,
+// topk_weights and expert_alignment; it returns what DispatchQueued returns.
+func DispatchPlanned(id, num int64, expertAlignment int,
+	xData uintptr, xType, xDev, xDim int, x0, x1, xS0, xS1 int64,
+	sData uintptr, sType, sDev, sDim int, s0, s1, sS0, sS1 int64,
+	wData uintptr, wType, wDev, wDim int, w0, w1, wS0, wS1 int64) (_ int64, err error) {
+	entered()
+	defer guard("DispatchPlanned", &err)
+	b, err := lookup(id)
+	if err != nil {
+		return 0, err
+	}
+	rows, ran, err := b.DispatchPlanned(num, desc(xData, xType, xDev, xDim, x0, x1, xS0, xS1),
+		desc(sData, sType, sDev, sDim, s0, s1, sS0, sS1), desc(wData, wType, wDev, wDim, w0, w1, wS0, wS1), expertAlignment)
+	if err != nil || ran {
+		return int64(rows), err
+	}
+	return -int64(rows + 1), nil
+}
+
+// PlanCombine keeps, for the combine numbered num that follows a dispatch, all of its arguments but
+// x and topk_weights: its config, the handle's tensors and sizes, the outputs' addresses and its
+// stream. The combine is the usual call, without bias.
+func PlanCombine(id, num int64, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv int,
+	numTokens, numChannels, numRecv int, srcIdx, rankPrefix, channelPrefix, sendHead, combinedX, combinedWeights,
+	stream uintptr) (_ int64, err error) {
+	defer guard("PlanCombine", &err)
+	b, cfg, err := bufferWithConfig(id, numSMs, nvlSend, nvlRecv, rdmaSend, rdmaRecv)
+	if err != nil {
+		return 0, err
+	}
+	none := goep.Desc{NDim: goep.NoneDim}
+	b.PlanCombine(num, &goep.CombineArgs{Config: cfg, Bias0: none, Bias1: none,
+		NumTokens: numTokens, NumChannels: numChannels, NumRecv: numRecv, SrcIdx: srcIdx, RankPrefix: rankPrefix,
+		ChannelPrefix: channelPrefix, SendHead: sendHead, CombinedX: combinedX, CombinedTopkWeights: combinedWeights,
+		Order: goep.StreamOrder{Stream: stream, Flags: goep.OrderWait | goep.OrderJoin}})
+	return 0, nil
+}
+
+// CombinePlanned is Combine of the plan numbered num (PlanCombine) with x and topk_weights.
+func CombinePlanned(id, num int64, xData uintptr, xType, xDev, xDim int, x0, x1, xS0, xS1 int64,
+	wData uintptr, wType, wDev, wDim int, w0, w1, wS0, wS1 int64) (_ int64, err error) {
+	entered()
+	defer guard("CombinePlanned", &err)
+	b, err := lookup(id)
+	if err != nil {
+		return 0, err
+	}
+	return 0, b.CombinePlanned(num, desc(xData, xType, xDev, xDim, x0, x1, xS0, xS1),
+		desc(wData, wType, wDev, wDim, w0, w1, wS0, wS1))
+}

@@ -1,6 +1,8 @@
 """cuLaunchKernel's host cost on this host, through ctypes: an empty kernel with 8 bytes and with 672 bytes of
 parameters (pyep's queued dispatch passes one 672-byte struct), grid 1 and 49 blocks; beside a ctypes call of
-cuCtxGetCurrent (ctypes' own cost) and torch's empty kernel launch (x.zero_() of 1 element)."""
+cuCtxGetCurrent (ctypes' own cost) and torch's empty kernel launch (x.zero_() of 1 element). Then the 672-byte launch
+on each kind of stream: the legacy default stream (torch's default, 0), the per-thread default stream, a
+torch.cuda.Stream (blocking: ordered after the legacy stream's work) and a non-blocking stream."""
 import ctypes, time, statistics, torch
 torch.cuda.set_device(0); torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 cu = ctypes.CDLL("libcuda.so.1")
@@ -36,3 +38,13 @@ for sync in (True, False):
     t("cuLaunchKernel 672 B params, 49x768", lambda: launch(funcs[b"big"], 49, 1, 1, 768, 1, 1, 0, stream, args_big, None), sync_each=sync)
     z = torch.zeros(1, device="cuda")
     t("torch x.zero_() (dispatcher + launch)", lambda: z.zero_(), sync_each=sync)
+
+streams = {"legacy default (0)": ctypes.c_void_p(0), "per-thread default": ctypes.c_void_p(2),
+           "torch.cuda.Stream()": ctypes.c_void_p(torch.cuda.Stream().cuda_stream)}
+nb = ctypes.c_void_p()
+assert cu.cuStreamCreate(ctypes.byref(nb), 1) == 0
+streams["non-blocking (cuStreamCreate 1)"] = nb
+for sync in (True, False):
+    for name, s in streams.items():
+        t(f"672 B, 49x768 on {name}", lambda: launch(funcs[b"big"], 49, 1, 1, 768, 1, 1, 0, s, args_big, None),
+          sync_each=sync)

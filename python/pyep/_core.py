@@ -65,7 +65,8 @@ class _Exports:
     exception."""
 
     __slots__ = ("Layout", "DispatchQueued", "DispatchNotify", "DispatchRecv", "DispatchCached", "Combine",
-                 "LowLatencyDispatch", "LowLatencyCombine", "LastEntryNs", "BufferLastLaunchNs")
+                 "PlanDispatch", "DispatchPlanned", "PlanCombine", "CombinePlanned", "LowLatencyDispatch",
+                 "LowLatencyCombine", "LastEntryNs", "BufferLastLaunchNs")
 
     def __init__(self):
         for name in self.__slots__:

@@ -5,15 +5,14 @@ eight integers of the core's goep.Desc: data_ptr, dtype, device, dimensions, two
 outputs with torch (the caching allocator) and builds the returned tuples; the Go core checks every argument once,
 with the messages users see, orders the streams and launches. Nothing is checked twice, no DLPack capsule or torch
 Stream object is made, and the Go functions are called without gopy's Python wrappers."""
-import array
-import functools
 import os
-import sys
 from typing import List, Optional, Tuple, Union
 
 import torch
 
 from . import _core, tuning
+from ._ahead import (_JOIN, _ON_COMM, _PREVIOUS, _USE_COUNT, _USUAL, _WAIT, Ahead, _align, _capturing, _current_stream,
+                     _handle_layout, _recv_layout, _rows)
 from ._internode import tokens_per_node
 from ._tensors import (_BOOL, _DTYPE_OF, _DV, _INT32, _ITEMSIZE, _NONE, _desc1, _desc2, _int, _raise_int, modes_on,
                        without_modes)
@@ -25,54 +24,12 @@ topk_idx_t = torch.int64
 
 _QUEUED_DISPATCH = os.environ.get("PYEP_QUEUED_DISPATCH", "1") != "0"
 
-# goep.StreamOrder's flags.
-_WAIT, _JOIN, _ON_COMM, _PREVIOUS = 1, 2, 4, 8
-_USUAL = _WAIT | _JOIN  # no previous_event, async_finish or allocate_on_comm_stream
-
-# How many tensors share a storage (a private torch function; without it no layout's outputs are reused).
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-_refcount = sys.getrefcount
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: True)
-
 _go = _core.go
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _align(n: int) -> int:
-    return (n + 255) // 256 * 256
-
-
-@functools.lru_cache(maxsize=256)
-def _handle_layout(R: int, C: int, T: int, rows: int, per_expert: int) -> Tuple[int, ...]:
-    """Offsets (in int32s) of rank_prefix_matrix [R, R], channel_prefix_matrix and recv_channel_prefix_matrix
-    [R, C], send_head [T, R], recv_src_idx [rows] and num_recv_tokens_per_expert in a handle's int32 block, each on
-    a 256-byte boundary, and the block's int32s."""
-    offsets, end = [], 0
-    for n in (R * R, R * C, R * C, T * R, rows, per_expert):
-        offsets.append(end)
-        end += _align(4 * n) // 4
-    return tuple(offsets) + (max(end, 64),)
-
-
-@functools.lru_cache(maxsize=256)
-def _recv_layout(rows: int, row_bytes: int, S: int, K: int) -> Tuple[int, ...]:
-    """Byte offsets of recv_x [rows, row_bytes], its scales [rows, S] float32, recv_topk_idx [rows, K] int64 and
-    recv_topk_weights [rows, K] float32 in one block, each on a 256-byte boundary, and the block's float32s (the
-    block's type: the views of scales and weights need no view of its type)."""
-    offsets, end = [], 0
-    for n in (rows * row_bytes, rows * S * 4, rows * K * 8, rows * K * 4):
-        offsets.append(end)
-        end += _align(n)
-    return tuple(offsets) + (max(end, 256) // 4,)
-
-
-def _rows(typed: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
-    """The row-major [rows, cols] tensor at byte offset of a block viewed as typed."""
-    return typed.as_strided((rows, cols), (cols, 1), offset // typed.itemsize)
-
-
-class NormalMode:
-    """Buffer's normal-mode methods; `_normal_init` sets what they look up once per buffer."""
+class NormalMode(Ahead):
+    """Buffer's normal-mode methods; `_normal_init` sets what they look up once per buffer (and what `Ahead`
+    prepares between calls)."""
 
     def _normal_init(self) -> None:
         self._rid = self.runtime.id
@@ -82,19 +39,9 @@ class NormalMode:
         self._device = torch.device("cuda", dev) if dev >= 0 else torch.device("cpu")
         self._device_code = _DV[self._device]
         self._multi_domain = self.runtime.get_num_rdma_ranks() > 1
-        self._queued_rows = 0  # the most rows a queued dispatch of this rank had to redo
         self._configs = {}  # recommended configs' fields, by (kind, Buffer.num_sms, tuning.generation, channels)
         self._layout = None  # the last layout's tensors and their descriptions (see get_dispatch_layout)
-        self._handle_block = None  # the last dispatch's handle block, its stream and storage use count (_int32_block)
-        # What the next dispatch will likely be, from the last usual one: (channels, row bytes, scales, top-k), for the
-        # layout's handle room and rows ahead (see get_dispatch_layout); and those rows, with their size and stream.
-        self._next_dispatch = None
-        self._rows_ahead = None
-        # What the next combine will likely be, from the last usual one: (dtype code, top-k of its weights or 0); and
-        # its outputs' block that a usual dispatch allocated after its launch (see _prepare_combine).
-        self._next_combine = None
-        self._combine_ahead = None
-        self._counts = array.array("i", bytes(4 * 64))  # num_recv_tokens_per_expert, written by the core
+        self._ahead_init()
 
     # ---- per-call helpers ---------------------------------------------------------------------------------------
 
@@ -191,62 +138,6 @@ class NormalMode:
                                   T, C, rows) + addresses
         return handle
 
-    @staticmethod
-    def _reusable_layout(lay: tuple) -> bool:
-        """Whether nothing but `lay` (the last layout's record) holds its outputs: no reference to the three tensors
-        (the tuple's and getrefcount's own are the two counted) and no other tensor on their memory (a view or a
-        handle's is_token_in_rank: the storage's use count as when they were made). The usual call on the same stream
-        may then write them again instead of allocating: the caching allocator would hand that memory to the same
-        stream, in the same order, once they were freed."""
-        return (_refcount(lay[0]) == 2 and _refcount(lay[1]) == 2 and _refcount(lay[2]) == 2
-                and _USE_COUNT(lay[2].untyped_storage()._cdata) == lay[9])
-
-    def _int32_block(self, flags: int, stream: int, n: int) -> torch.Tensor:
-        """n int32s for a dispatch's handle: the usual call on the stream of the last one (not during a CUDA graph
-        capture) gets the last handle's block back when nothing holds it any more (no reference but this buffer's, no
-        tensor on its memory: the handle was dropped), as _reusable_layout decides for a layout; else a new block, kept
-        for next time. A handle is small (its largest part is R int32s a token), so keeping it costs little memory."""
-        kept = self._handle_block
-        if flags != _USUAL or _USE_COUNT is None or (self._cuda and _capturing()):
-            return self._empty(flags, n, torch.int32)
-        if (kept is not None and kept[1] == n and kept[2] == stream and _refcount(kept[0]) == 2
-                and _USE_COUNT(kept[0].untyped_storage()._cdata) == kept[3]):
-            return kept[0]
-        block = torch.empty(n, dtype=torch.int32, device=self._device)
-        self._handle_block = (block, n, stream, _USE_COUNT(block.untyped_storage()._cdata))
-        return block
-
-    def _queued_capacity(self, R: int, T: int) -> int:
-        """The rows a queued dispatch of T tokens allocates: the most this rank receives when every rank has as many
-        tokens, or the most it had to redo before."""
-        return max(R * T, self._queued_rows, 1)
-
-    def _take_rows_ahead(self, flags: int, stream: int, n: int) -> torch.Tensor:
-        """n float32s for a queued dispatch's rows: those the layout allocated ahead when they are that many on this
-        stream and the call is the usual one, else new ones (the ones ahead are let go either way)."""
-        ahead, self._rows_ahead = self._rows_ahead, None
-        if ahead is not None and ahead[1] == n and ahead[2] == stream and flags == _USUAL:
-            return ahead[0]
-        del ahead  # let go first: its memory may serve this call
-        return self._empty(flags, n, torch.float32)
-
-    def _prepare_combine(self, flags: int, stream: int, T: int, H: int) -> None:
-        """After a usual dispatch's launch, while its kernel runs: the block of the outputs of the combine that follows
-        it in a layer ([T, H] of the last usual combine's dtype, and its weights), which that combine takes when it is
-        the usual call on the same stream with that shape (see combine; any other combine lets it go)."""
-        self._combine_ahead = None
-        nxt = self._next_combine
-        if nxt is None or flags != _USUAL or (self._cuda and _capturing()):
-            return
-        block, at = self._rows_block(flags, T, H, nxt[0], nxt[1])
-        self._combine_ahead = (block, at, (T, H) + nxt + (stream,))
-
-    def _counts_for(self, n: int) -> int:
-        """The address of room for n int32 counts."""
-        if len(self._counts) < n:
-            self._counts = array.array("i", bytes(4 * n))
-        return self._counts.buffer_info()[0]
-
     # ---- the API -----------------------------------------------------------------------------------------------
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
@@ -298,6 +189,7 @@ class NormalMode:
         room = _handle_layout(R, nxt[0], T, cap, E // R)[6] if nxt is not None else 0
         if key is not None:
             key += (room,)
+            self._drop_combine_plan()  # a planned combine's handle holds the last in_rank
         lay = self._layout
         block = None
         if key is not None and lay is not None and lay[8] == key and self._reusable_layout(lay):
@@ -313,8 +205,8 @@ class NormalMode:
         # Launched: the next dispatch's rows, allocated while the kernel runs (see _take_rows_ahead).
         self._rows_ahead = None
         if nxt is not None:
-            n = _recv_layout(cap, *nxt[1:])[4]
-            self._rows_ahead = (torch.empty(n, dtype=torch.float32, device=self._device), n, stream)
+            n = _recv_layout(cap, *nxt[1:4])[4]
+            self._rows_ahead = (torch.empty(n, dtype=torch.float32, device=self._device), n, stream, None)
         if block is None:
             per_rank, per_expert, in_rank = lay[0], lay[1], lay[2]
         else:
@@ -331,6 +223,8 @@ class NormalMode:
                          base + at_in_rank, _BOOL, dev, 2, T, R, R, 1),
                         topk_idx, topk_idx._version, (tp, tt, tv, tn, T, t1, ts0, ts1),
                         key, None if key is None else _USE_COUNT(in_rank.untyped_storage()._cdata), at_handle, room)
+        if nxt is not None:  # the next dispatch, planned with those rows
+            self._rows_ahead = self._rows_ahead[:3] + (self._plan_dispatch(self._layout, nxt, cap, stream),)
         return per_rank, per_rdma_rank, per_expert, in_rank, self._finish(
             async_finish, flags, (topk_idx, per_rank, per_expert, in_rank))
 
@@ -394,6 +288,17 @@ class NormalMode:
                 return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                      num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                                      config, previous_event, async_finish, allocate_on_comm_stream)
+        ahead = self._rows_ahead
+        if ahead is not None and ahead[3] is not None:
+            lay = self._layout
+            if (handle is None and topk_idx is lay[5] and num_tokens_per_rank is lay[0]
+                    and num_tokens_per_expert is lay[1] and is_token_in_rank is lay[2] and num_tokens_per_rdma_rank is None
+                    and config is None and previous_event is None and not async_finish and not allocate_on_comm_stream
+                    and num_worst_tokens == 0 and type(num_worst_tokens) is int and topk_idx._version == lay[6]
+                    and is_token_in_rank._version == lay[3]):
+                done = self._dispatch_planned(ahead[3], x, topk_weights, expert_alignment, is_token_in_rank)
+                if done is not None:
+                    return done
         if self._multi_domain:
             return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, config,
@@ -407,6 +312,7 @@ class NormalMode:
         if handle is not None:
             return self._dispatch_cached(x, scales, handle, topk_idx, topk_weights, config, previous_event, async_finish,
                                          allocate_on_comm_stream)
+        self._drop_combine_plan()  # a planned combine's handle holds the last handle's block
         f0, f1, f2, f3, f4 = self._fields(config, "dispatch" if scales is None else "dispatch_fp8")
         stream, event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)
         xp, xt, xv, xn, T, H, xs0, xs1 = _desc2("x" if scales is None else "x[0]", x)
@@ -447,6 +353,7 @@ class NormalMode:
         else:
             hb, h0 = self._int32_block(flags, stream, hl[6]), 0
         h = hb.data_ptr() + h0
+        rl = rb = None
         try:
             if queued:
                 rl = _recv_layout(rows, row_bytes, S, K)
@@ -467,39 +374,54 @@ class NormalMode:
                     rp, rt, rv, rn, r0, r1, rs0, rs1, ep, et, ev, en, E, e1, es0, es1, gp, gt, gv, gn, g0, g1, gs0, gs1,
                     h, h + 4 * hl[1], h + 4 * hl[2], h + 4 * hl[5], h + 4 * hl[3], counts, stream, event, flags)
                 ran = False
-            src_block, src_at = hb, h0 + 4 * hl[4]
-            if not ran:
-                # The data phase into exact rows: the count was not known, or exceeded the rows allocated.
-                if queued:
-                    self._queued_rows = max(self._queued_rows, out)
-                rl = _recv_layout(out, row_bytes, S, K)
-                rb = self._empty(flags, rl[4], torch.float32)
-                r = rb.data_ptr()
-                if out > rows:
-                    src_block, src_at = self._empty(flags, max(out, 1), torch.int32), 0
-                _go.DispatchRecv(rid, out, r, r + rl[1] if S else 0, src_block.data_ptr() + src_at,
-                                 r + rl[2] if K else 0, r + rl[3] if K else 0, stream, flags)
         except RuntimeError as e:
             raise _core.error(e) from None
         except TypeError as e:
             _raise_int(e, expert_alignment=(expert_alignment, 1), num_worst_tokens=(num_worst_tokens, 0))
+        if queued and flags == _USUAL:
+            self._next_dispatch = (C, row_bytes, S, K, scales is not None)
+        return self._dispatch_outputs(
+            ran, out, queued, rows, rb, rl, hb, h0, hl, flags, stream, T, H, R, C, xt, st, S, K, scales, per_expert,
+            row_bytes, gp, is_token_in_rank, num_worst_tokens, async_finish,
+            (x, scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, hb))
+
+    def _dispatch_outputs(self, ran, out, queued, rows, rb, rl, hb, h0, hl, flags, stream, T, H, R, C, xt, st, S, K,
+                          scales, per_expert, row_bytes, gp, in_rank, num_worst_tokens, async_finish, keep):
+        """A dispatch after its notify (and its data phase when `ran`, into the `rows` rows of rb laid out as rl): the
+        data phase into exact rows when it did not run, then its outputs (its handle's int32s in hb from byte h0,
+        laid out as hl), the combine prepared and planned, and the returned tuple (`keep`: what an async_finish
+        event holds)."""
+        src_block, src_at = hb, h0 + 4 * hl[4]
+        if not ran:
+            # The data phase into exact rows: the count was not known, or exceeded the rows allocated.
+            if queued:
+                self._queued_rows = max(self._queued_rows, out)
+            rl = _recv_layout(out, row_bytes, S, K)
+            rb = self._empty(flags, rl[4], torch.float32)
+            r = rb.data_ptr()
+            if out > rows:
+                src_block, src_at = self._empty(flags, max(out, 1), torch.int32), 0
+            try:
+                _go.DispatchRecv(self._rid, out, r, r + rl[1] if S else 0, src_block.data_ptr() + src_at,
+                                 r + rl[2] if K else 0, r + rl[3] if K else 0, stream, flags)
+            except RuntimeError as e:
+                raise _core.error(e) from None
         self._prepare_combine(flags, stream, T, H)
         dtype = _DTYPE_OF[xt]
         recv_x = _rows(rb if dtype is torch.float32 else rb.view(dtype), 0, out, H)
         recv = recv_x if scales is None else (recv_x, _rows(rb if st != _INT32 else rb.view(torch.int32), rl[1], out, S))
         recv_topk_idx = _rows(rb.view(torch.int64), rl[2], out, K) if K else None
         recv_topk_weights = _rows(rb, rl[3], out, K) if K else None
-        if queued and flags == _USUAL:
-            self._next_dispatch = (C, row_bytes, S, K)
+        h = hb.data_ptr() + h0
         src = (h - h0 if src_block is hb else src_block.data_ptr()) + src_at
         handle = self._remember((_rows(hb, h0, R, R), _rows(hb, h0 + 4 * hl[1], R, C), _rows(hb, h0 + 4 * hl[2], R, C),
-                                 src_block.as_strided((out,), (1,), src_at // 4), is_token_in_rank,
+                                 src_block.as_strided((out,), (1,), src_at // 4), in_rank,
                                  _rows(hb, h0 + 4 * hl[3], T, R)), T, C, out,
                                 (h, h + 4 * hl[1], h + 4 * hl[2], src, gp, h + 4 * hl[3]))
+        self._plan_combine(handle)
         per_expert_list = [] if num_worst_tokens else self._counts[:per_expert].tolist()
         return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, self._finish(
-            async_finish, flags, (x, scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
-                                  is_token_in_rank, hb, rb, src_block))
+            async_finish, flags, keep + (rb, src_block))
 
     def _dispatch_cached(self, x, scales, handle, topk_idx, topk_weights, config, previous_event, async_finish,
                          allocate_on_comm_stream):
@@ -521,6 +443,7 @@ class NormalMode:
         except RuntimeError as e:
             raise _core.error(e) from None
         self._prepare_combine(flags, stream, T, H)
+        self._plan_combine(handle)
         if scales is not None and S:
             recv = (_rows(block.view(dtype), 0, rows, H),
                     _rows(block if st != _INT32 else block.view(torch.int32), at_scales, rows, S))
@@ -566,6 +489,12 @@ class NormalMode:
         if self._multi_domain:
             return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                           allocate_on_comm_stream)
+        ahead = self._combine_ahead
+        if (ahead is not None and handle is ahead[3] and bias is None and config is None and previous_event is None
+                and not async_finish and not allocate_on_comm_stream):
+            done = self._combine_planned(ahead, x, topk_weights)
+            if done is not None:
+                return done
         _, T, C, rows, rank_prefix, _, recv_channel_prefix, src_idx, _, send_head = self._handle_meta(handle)
         f0, f1, f2, f3, f4 = self._fields(config, "combine", C)
         stream, event, flags = self._order(previous_event, async_finish, allocate_on_comm_stream)

@@ -140,7 +140,8 @@ def measure(args) -> Dict[str, Tuple[float, float]]:
         "ll_combine": lambda: buffer.low_latency_combine(ll_y, ll_topk, ll_w, ll_handle),
     }
     returns = {"Layout": 0, "DispatchQueued": T, "DispatchNotify": T, "DispatchRecv": 0, "DispatchCached": 0,
-               "Combine": 0, "LowLatencyDispatch": 1, "LowLatencyCombine": 1, "LowLatencyTimedOut": "",
+               "Combine": 0, "PlanDispatch": 0, "DispatchPlanned": T, "PlanCombine": 0, "CombinePlanned": 0,
+               "LowLatencyDispatch": 1, "LowLatencyCombine": 1, "LowLatencyTimedOut": "",
                "LowLatencyDispatchNs": 1, "LowLatencyCombineNs": 1}
     result = {}
     with _Stubs(returns):
