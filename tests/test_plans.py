@@ -4,6 +4,7 @@ any call that is not the one planned runs unplanned, and a plan serves one call.
 PYEP_TEST_DEVICE=cuda."""
 import contextlib
 
+import pytest
 import torch
 
 import pyep
@@ -166,5 +167,30 @@ def test_plans_off(group, device, monkeypatch):
                 recv_x, _, recv_w, _, handle = layer.dispatch(layer.x)
                 layer.combine(recv_x, recv_w, handle)
         assert set(n.values()) == {0}, n
+    finally:
+        layer.buffer.destroy()
+
+
+def test_planned_call_with_bad_input_raises_and_next_call_works(group, device):
+    """A planned call checks every argument as the unplanned one does: a bad one raises ValueError naming it, before
+    any launch, the plan is spent, and the next calls work."""
+    layer = Layer(group, device, "plans-bad")
+    try:
+        recv_x, _, recv_w, _, handle = layer.dispatch(layer.x)
+        layer.combine(recv_x, recv_w, handle)
+        with counted("DispatchPlanned", "CombinePlanned") as n:
+            with pytest.raises(ValueError, match="topk_weights"):
+                layer.buffer.dispatch(layer.x, topk_idx=layer.topk, topk_weights=layer.w.double(),
+                                      **layout_of(layer.buffer, layer.topk, layer.E))
+            assert n["DispatchPlanned"] == 1, "the bad dispatch was not the planned one"
+            recv_x, _, recv_w, _, handle = layer.dispatch(layer.x)  # planned again: its layout planned it
+            y = expert_output(recv_x, layer.me)
+            with pytest.raises(ValueError, match="rows"):
+                layer.buffer.combine(y[:-1], handle, topk_weights=recv_w[:-1])
+            assert n == {"DispatchPlanned": 2, "CombinePlanned": 1}, n
+            layer.combine(recv_x, recv_w, handle)  # unplanned now, and right
+            recv_x, _, recv_w, _, handle = layer.dispatch(layer.x)
+            layer.combine(recv_x, recv_w, handle)
+            assert n == {"DispatchPlanned": 3, "CombinePlanned": 2}, n
     finally:
         layer.buffer.destroy()

@@ -148,9 +148,7 @@ class Ahead:
         tp, tt, tv, tn, T, tK, ts0, ts1 = lay[7]
         if not _PLANS or f[0] != 2 * C or tK != K:
             return None
-        (rp, rt, rv, rn, r0, r1, rs0, rs1, ep, et, ev, en, E, e1, es0, es1,
-         gp, gt, gv, gn, g0, g1, gs0, gs1) = lay[4]
-        R = r0
+        R, E, gp = lay[4][4], lay[4][12], lay[4][16]  # num_tokens_per_rank's and per_expert's sizes, in_rank's data
         hl = _handle_layout(R, C, T, cap, E // R)
         rl = _recv_layout(cap, row_bytes, S, K)
         h, r, num = lay[4][0] + lay[10], self._rows_ahead[0].data_ptr(), self._next_number()
