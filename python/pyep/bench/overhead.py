@@ -8,6 +8,9 @@ gopy call's argument conversion up to the stub. The core's own part is measured 
 
     python -m pyep.bench.overhead                      # cpu, 64 tokens, hidden 256, top-8 of 256 experts
     python -m pyep.bench.overhead --device cuda --tokens 4096 --hidden 7168
+
+dispatch_planned and combine_planned are a layer's calls after the call that plans them (a layout, a cached dispatch
+with the handle), untimed; PYEP_PLANS=0 runs the same calls unplanned.
 """
 import argparse
 import os
@@ -25,7 +28,11 @@ from pyep import _core
 
 # The layout last: the dispatches pass the tensors of the last real layout, as a model does (a stubbed one writes
 # nothing and would make them tensors of another layout).
-CALLS = ("dispatch_bf16", "dispatch_fp8", "dispatch_cached", "combine", "layout", "ll_dispatch", "ll_combine")
+CALLS = ("dispatch_bf16", "dispatch_fp8", "dispatch_cached", "combine", "layout", "dispatch_planned", "combine_planned",
+         "ll_dispatch", "ll_combine")
+# What runs before each call of these, untimed: the call before it in a layer, which plans it (README, "Notes on the Go
+# binding"; PYEP_PLANS=0 measures the same calls unplanned).
+PLANNED = {"dispatch_planned": "layout", "combine_planned": "dispatch_cached"}
 
 
 def parse_args(argv=None):
@@ -68,6 +75,8 @@ class _Stubs:
 
     @classmethod
     def _stub(cls, value) -> Callable:
+        """A stub returning value; it stamps `entered` unless value is "" (an export that is not a call's main one:
+        the plans, made after a launch, and what a low-latency call asks after it)."""
         if value == "":
             def stub(*args):
                 return value
@@ -83,13 +92,15 @@ class _Stubs:
         _core._go = self.saved_mod
 
 
-def _time(fn: Callable[[], object], iters: int, repeats: int) -> Tuple[float, float]:
-    """The least of `repeats` medians of `iters` calls, in µs: to the core's entry (what precedes the launches), and
-    to the return."""
+def _time(fn: Callable[[], object], iters: int, repeats: int, prep: Callable[[], object] = None) -> Tuple[float, float]:
+    """The least of `repeats` medians of `iters` calls (each after prep, untimed), in µs: to the core's entry (what
+    precedes the launches), and to the return."""
     best = (float("inf"), float("inf"))
     for _ in range(repeats):
         entry, whole = [], []
         for _ in range(iters):
+            if prep is not None:
+                prep()
             t0 = time.perf_counter_ns()
             fn()
             t1 = time.perf_counter_ns()
@@ -130,24 +141,32 @@ def measure(args) -> Dict[str, Tuple[float, float]]:
     buffer.low_latency_combine(ll_y, ll_topk, ll_w, ll_handle)
     if args.device == "cuda":
         torch.cuda.synchronize()
+
+    def new_layout():  # a dispatch's layout, whose tensors it passes
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
+        layout.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+    preps = {"layout": new_layout, "dispatch_cached": lambda: buffer.dispatch(x, handle=handle)}
     fns = {
         "layout": lambda: buffer.get_dispatch_layout(topk, E),
         "dispatch_bf16": lambda: buffer.dispatch(x, **layout, topk_idx=topk, topk_weights=weights),
         "dispatch_fp8": lambda: buffer.dispatch(x_fp8, **layout, topk_idx=topk, topk_weights=weights),
         "dispatch_cached": lambda: buffer.dispatch(x, handle=handle),
         "combine": lambda: buffer.combine(y, handle, topk_weights=recv_w),
+        "dispatch_planned": lambda: buffer.dispatch(x, **layout, topk_idx=topk, topk_weights=weights),
+        "combine_planned": lambda: buffer.combine(y, handle, topk_weights=recv_w),
         "ll_dispatch": lambda: buffer.low_latency_dispatch(ll_x, ll_topk, M, E, use_fp8=True),
         "ll_combine": lambda: buffer.low_latency_combine(ll_y, ll_topk, ll_w, ll_handle),
     }
     returns = {"Layout": 0, "DispatchQueued": T, "DispatchNotify": T, "DispatchRecv": 0, "DispatchCached": 0,
-               "Combine": 0, "PlanDispatch": 0, "DispatchPlanned": T, "PlanCombine": 0, "CombinePlanned": 0,
+               "Combine": 0, "PlanDispatch": "", "DispatchPlanned": T, "PlanCombine": "", "CombinePlanned": 0,
                "LowLatencyDispatch": 1, "LowLatencyCombine": 1, "LowLatencyTimedOut": "",
                "LowLatencyDispatchNs": 1, "LowLatencyCombineNs": 1}
     result = {}
     with _Stubs(returns):
         for name in CALLS:
             if name in calls:
-                result[name] = _time(fns[name], args.iters, args.repeats)
+                result[name] = _time(fns[name], args.iters, args.repeats, preps.get(PLANNED.get(name)))
     return result
 
 
