@@ -5,7 +5,7 @@
 //   PYEP_NOTIFY    pyep_notify (the count exchange of a dispatch, notify.cuh); constants:
 //                  PYEP_RANKS.
 //   PYEP_DISPATCH  pyep_dispatch; constants: PYEP_RANKS, PYEP_HIDDEN_BYTES, PYEP_SCALES_BYTES,
-//                  PYEP_TOPK, PYEP_VEC.
+//                  PYEP_TOPK, PYEP_VEC, PYEP_SPLIT_SEND (intranode_dispatch.cuh).
 //   both           pyep_notify_dispatch, the queued dispatch in one launch: notify in block 0,
 //                  pyep_dispatch's blocks after it; the dispatch's constants.
 //   PYEP_COMBINE   pyep_combine; constants: PYEP_RANKS, PYEP_HIDDEN, PYEP_DTYPE (1 bf16,
@@ -156,16 +156,62 @@ constexpr int kVec = PYEP_VEC;    // bytes a lane moves at once
 typedef typename Vec<kVec>::T V;
 
 // ---------------------------------------------------------------------------------------------
-// Shared by dispatch and combine: the warp groups of a block. Warps [g*WPR, (g+1)*WPR) serve
-// peer g; a group synchronises on named barrier 1 + g.
-
-// A sending block's warps: kWarpsPerRank for each peer (warp group g serves peer g), then the
-// publisher (the last warp). A receiving block groups its warps alike.
+// Shared by dispatch and combine: the warp groups of a block, and the sending block's publisher
+// (the last warp). The combine's groups are of one size: warps [g*WPR, (g+1)*WPR) serve rank g,
+// this rank's own rows included. The dispatch sizes its own (intranode_dispatch.cuh).
 constexpr int kWarpsPerRank = (kWarps - 1) / kRanks;
 constexpr int kPublisher = kWarps - 1;
 static_assert(kRanks * kWarpsPerRank <= 32, "a publisher lane per sending warp");
 
-PYEP_DEVICE void group_sync(int g) { bar_sync(1 + g, kWarpsPerRank * 32); }
+// Group g of `warps` warps synchronises on named barrier 1 + g.
+template <int kGroupWarps>
+PYEP_DEVICE void group_sync(int g) { bar_sync(1 + g, kGroupWarps * 32); }
+
+// ---------------------------------------------------------------------------------------------
+// The probe, a diagnosis instrument (issue #18), built only with PYEP_JIT_FLAGS=-DPYEP_PROBE=ADDR,
+// ADDR the device address of kProbeKernels * kProbeBlocks * 32 records of 8 u64s (zeroed by the
+// caller): every warp of a dispatch or combine data kernel writes its record there, at
+// [kernel][block][warp]: 1 + its role, the peer it served, the rows it moved, when it entered,
+// started (after the call's barriers) and ended (%globaltimer ns, one clock for all SMs), the SM
+// cycles it spent polling a peer's word (clock64) and its cycles from start to end (to convert
+// them). bench/device/normal_probe.py reads and sums them up. Without PYEP_PROBE every probe_
+// function is empty.
+enum ProbeRole : int { kProbeSend, kProbeRecv, kProbeLocalSend, kProbeLocalRecv, kProbePublish, kProbeCoordinate,
+                       kProbeReduce, kProbeIdle };
+enum : int { kProbeDispatch, kProbeCombine, kProbeKernels, kProbeBlocks = 128 };
+#if defined(PYEP_PROBE) && !defined(PYEP_EMU)
+__shared__ u64 g_probe[kWarps][5];  // wait cycles, rows, entry ns, start ns, start cycles
+PYEP_DEVICE u64* probe_row() { return g_probe[threadIdx.x / 32]; }
+PYEP_DEVICE void probe_entry() {
+    if (threadIdx.x % 32 == 0) probe_row()[0] = 0, probe_row()[1] = 0, probe_row()[2] = globaltimer();
+}
+PYEP_DEVICE void probe_start() {
+    if (threadIdx.x % 32 == 0) probe_row()[3] = globaltimer(), probe_row()[4] = clock64();
+}
+PYEP_DEVICE u64 probe_clock() { return clock64(); }
+PYEP_DEVICE void probe_waited(u64 since) {
+    if (threadIdx.x % 32 == 0) probe_row()[0] += clock64() - since;
+}
+PYEP_DEVICE void probe_rows(int n) {
+    if (threadIdx.x % 32 == 0) probe_row()[1] += n;
+}
+PYEP_DEVICE void probe_end(int kernel, int role, int peer) {
+    if (threadIdx.x % 32 != 0 || blockIdx.x >= kProbeBlocks || threadIdx.x / 32 >= 32) return;
+    const u64* r = probe_row();
+    u64* out = reinterpret_cast<u64*>(static_cast<unsigned long long>(PYEP_PROBE)) +
+               ((static_cast<u64>(kernel) * kProbeBlocks + blockIdx.x) * 32 + threadIdx.x / 32) * 8;
+    const u64 end = globaltimer(), cycles = clock64() - r[4];
+    out[0] = 1 + role, out[1] = static_cast<u64>(peer), out[2] = r[1], out[3] = r[2], out[4] = r[3], out[5] = end;
+    out[6] = r[0], out[7] = cycles;
+}
+#else
+PYEP_DEVICE void probe_entry() {}
+PYEP_DEVICE void probe_start() {}
+PYEP_DEVICE u64 probe_clock() { return 0; }
+PYEP_DEVICE void probe_waited(u64) {}
+PYEP_DEVICE void probe_rows(int) {}
+PYEP_DEVICE void probe_end(int, int, int) {}
+#endif
 
 // The call's barriers, at the start of a cached dispatch or a combine (in place of a kernel of
 // their own, which cost a launch): block 0 passes barrier seq (every rank is in this call, so no
@@ -188,14 +234,18 @@ PYEP_DEVICE bool call_barriers(const Ctx& ctx, i32 op, int tid) {
     return !__syncthreads_or(lead && !barrier(ctx, op, ctx.seq + 1));
 }
 
-// The sending block's publisher: lane j serves sending warp j (peer j / kWarpsPerRank, sub-ring
-// j % kWarpsPerRank) of channel c. Whenever some of them posted progress, one fence (cumulative:
-// it covers the stores the warps released to it) and then their tail words, so the sending warps
-// stream without ever waiting on a system-scope fence. Returns once every sending warp counted
-// itself out of s_left (after its last post), or the buffer aborted.
-PYEP_DEVICE void publish_tails(const Ctx& ctx, int c, const u64* s_tail, const i32* s_left, int lane) {
-    const int R = kRanks, d = lane / kWarpsPerRank, w = lane % kWarpsPerRank;
-    const bool mine = lane < R * kWarpsPerRank;
+// The sending block's publisher: lane j serves the sending warp that posts at s_tail[j], sub-ring
+// first + j % kGroupWarps of channel c to the rank of group j / kGroupWarps (group g serves rank g,
+// or with kSkipSelf rank g + 1 from this rank's own on). Whenever some of them posted progress, one fence
+// (cumulative: it covers the stores the warps released to it) and then their tail words, so the
+// sending warps stream without ever waiting on a system-scope fence. Returns once every sending
+// warp counted itself out of s_left (after its last post), or the buffer aborted.
+template <int kGroups, int kGroupWarps, bool kSkipSelf>
+PYEP_DEVICE void publish_tails(const Ctx& ctx, int c, const u64* s_tail, const i32* s_left, int lane, int first) {
+    static_assert(kGroups * kGroupWarps <= 32, "a publisher lane per sending warp");
+    const int R = kRanks, g = lane / kGroupWarps, w = first + lane % kGroupWarps;
+    const int d = kSkipSelf && g >= ctx.rank ? g + 1 : g;
+    const bool mine = lane < kGroups * kGroupWarps;
     u64* tail = mine ? tail_word(ctx, d, c * R + ctx.rank, w) : nullptr;
     u64 published = 0;
     for (;;) {
@@ -321,22 +371,30 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_combine(const Com
         s_flag[0] = start_ok(p.ctx, kOpCombine) ? 0 : 1;
         s_flag[1] = kRanks * kWarpsPerRank;
     }
+    probe_entry();
     __syncthreads();
     if (s_flag[0] != 0) return;
     if (!call_barriers(p.ctx, kOpCombine, tid)) return;
+    probe_start();
+    const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
+    int role = kProbeIdle;
     if (sender) {
-        const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
         if (g < kRanks) {
             combine_send(p, c, g, wg, lane, s_tail + warp);
             if (lane == 0) red_add_release_cta(s_flag + 1, -1);
+            role = kProbeSend;
         } else if (warp == kPublisher) {
-            publish_tails(p.ctx, c, s_tail, s_flag + 1, lane);
+            publish_tails<kRanks, kWarpsPerRank, false>(p.ctx, c, s_tail, s_flag + 1, lane, 0);
+            role = kProbePublish;
         }
     } else if (warp == 0) {
         combine_coordinate(p, c, lane, s_cur);
+        role = kProbeCoordinate;
     } else {
         combine_reduce(p, c, warp - 1, lane, s_cur);
+        role = kProbeReduce;
     }
+    probe_end(kProbeCombine, role, g);
 }
 
 #endif  // PYEP_COMBINE

@@ -101,9 +101,11 @@ PYEP_DEVICE void combine_send(const CombineParams& p, int c, int d, int wg, int 
         // The slot last held ring token i - lap.
         if (i - lap >= static_cast<i32>(freed)) {
             const i32 want = i - lap;
+            const u64 since = probe_clock();
             if (!warp_poll(ctx, head, freed, [&](u32 h) { return static_cast<i32>(h) > want; }, kOpCombine, kWaitHead, c,
                            d, freed, i, lap, lane))
                 return;
+            probe_waited(since);
         }
         const i64 row = first + i;
         const i64 gs = sub + pushed % sr.slots;
@@ -117,6 +119,7 @@ PYEP_DEVICE void combine_send(const CombineParams& p, int c, int d, int wg, int 
             for (int k = lane; k < kTopk; k += 32) dw[k] = ld_nc(w + k);
         }
         pushed++;
+        probe_rows(1);
         post(slot, hdr | static_cast<u64>(pushed), lane);
     }
 }
@@ -145,6 +148,7 @@ PYEP_DEVICE void combine_reduce(const CombineParams& p, int c, int r, int lane, 
         const u64* tail = tail_word(ctx, me, ring, w);
         bool ok = true;
         u64 start = 0;
+        const u64 since = probe_clock();
         for (;;) {
             bool waiting = false;
             if (ok && sh >= 0 && seen[w] <= k) {
@@ -161,6 +165,7 @@ PYEP_DEVICE void combine_reduce(const CombineParams& p, int c, int r, int lane, 
             }
             if (!__any_sync(0xffffffffu, waiting)) break;
         }
+        probe_waited(since);
         __syncwarp();  // orders each polling lane's acquire before the whole warp's reads
         const i64 gs = sh >= 0 ? static_cast<i64>(ring) * ctx.ring_slots + static_cast<i64>(w) * sr.slots + k % sr.slots : -1;
         if (ok && sh >= 0) {
@@ -228,6 +233,7 @@ PYEP_DEVICE void combine_reduce(const CombineParams& p, int c, int r, int lane, 
                 ow[k] = w;
             }
         }
+        probe_rows(1);
         __syncwarp();
     }
     st_release_cta(s_cur + r, hi);

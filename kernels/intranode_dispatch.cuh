@@ -5,11 +5,12 @@
 #pragma once
 
 // ---------------------------------------------------------------------------------------------
-// Dispatch: block 2c sends channel c's tokens to every peer, block 2c + 1 receives channel c
-// from every peer. In both, warp group g serves rank g, warp wg of it sub-ring wg; the sending
-// block's last warp publishes the tails. The tokens a rank routes to itself skip the rings: the
-// warp groups of this rank in both blocks copy them from x straight into the received rows
-// (dispatch_local), one copy instead of two.
+// Dispatch: blocks 2c and 2c + 1 (its halves, q = 0 and 1) both send channel c's tokens to every
+// peer and receive channel c from every peer: a ring's sub-rings are fed by the sending warps of
+// both halves and drained by the receiving warps of both, one warp a sub-ring at each end, and
+// each half's last warp publishes the tails of its sending warps. The tokens a rank routes to
+// itself skip the rings: the own group of this rank in both halves copies them from x straight
+// into the received rows (dispatch_local), one copy instead of two.
 
 // 1, the default: a rank's own tokens skip the rings (dispatch_local). PYEP_LOCAL_DIRECT=0 sends
 // them through this rank's own rings like a peer's, for comparison. 4096 tokens, hidden 7168, 24
@@ -25,6 +26,49 @@
 #define PYEP_LOCAL_DIRECT 1
 #endif
 constexpr bool kLocalDirect = PYEP_LOCAL_DIRECT != 0;
+
+// The groups' sizes. A peer's row costs a sending warp a copy over NVLink and a receiving warp a
+// copy out of the ring; an own row one copy, from x. With groups of one size the own groups were
+// through their rows halfway through the call and then idle (2x H200, FP8, probe: own warps ended
+// at 54-66 µs, the peers' at 124-133; bench/results/h200x2-2026-11-27-probe). Two layouts, chosen
+// by the host per row (goep/cuda/normal/defines.go):
+//   PYEP_SPLIT_SEND=0  block 2c sends and block 2c + 1 receives, as DeepEP's dispatch does; a
+//                      peer's group has twice the own group's warps, (kWarps - 1) / (2P + 1)
+//                      rounded for the own, P peers: every group is through its rows at about
+//                      the same time. BF16 rows.
+//   PYEP_SPLIT_SEND=1  both halves send and receive: each has, for every peer, a group of sending
+//                      warps and one of receiving warps, and its own group, all of about one size,
+//                      so every SM of the call writes over NVLink. FP8 rows (4% faster there, 2%
+//                      slower for BF16; at 2 ranks both then cross NVLink at about 290 GB/s a
+//                      direction, NCCL's all_to_all_single at 261).
+// A block of fewer than 2P + 2 warps takes the first (the host gives a block a warp for each rank
+// and one more at least; the emulator's blocks are small). PYEP_LOCAL_DIRECT=0 makes this rank's
+// own tokens take its rings as a peer's do (no own group). A half's warps: the peers' sending
+// groups (group g serves peer g, or g + 1 from this rank's own on), their receiving groups, the
+// own group, then idle warps and the publisher.
+#ifndef PYEP_SPLIT_SEND
+#define PYEP_SPLIT_SEND 1
+#endif
+constexpr int kPeerGroups = kLocalDirect ? kRanks - 1 : kRanks;
+constexpr int kFreeWarps = kWarps - 1;  // all but the publisher
+constexpr bool kSplitSend = PYEP_SPLIT_SEND != 0 && kFreeWarps >= 2 * kPeerGroups + (kLocalDirect ? 1 : 0);
+constexpr int kOwnWarps = !kLocalDirect ? 0
+                          : kPeerGroups == 0 ? kFreeWarps
+                          : kSplitSend ? kFreeWarps / (2 * kPeerGroups + 1)
+                                       : (kFreeWarps + kPeerGroups) / (2 * kPeerGroups + 1);
+constexpr int kPeerFit = kPeerGroups == 0 ? 1 : (kFreeWarps - kOwnWarps) / (kSplitSend ? 2 * kPeerGroups : kPeerGroups);
+constexpr int kPeerWarps = kPeerGroups == 0 ? 1 : (kPeerFit < 32 / kPeerGroups ? kPeerFit : 32 / kPeerGroups);
+static_assert(kPeerWarps >= 1 && (!kLocalDirect || kOwnWarps >= 1), "a warp for each group");
+static_assert(kPeerGroups * kPeerWarps * (kSplitSend ? 2 : 1) + kOwnWarps <= kFreeWarps, "the groups fit the block");
+
+// Sending and receiving warps a group of half q has; sub-rings are fed by the sending warps of
+// half 0, then of half 1, and drained alike.
+PYEP_DEVICE constexpr int send_warps(int q) { return kSplitSend || q == 0 ? kPeerWarps : 0; }
+PYEP_DEVICE constexpr int recv_warps(int q) { return kSplitSend || q == 1 ? kPeerWarps : 0; }
+constexpr int kRingWarps = kSplitSend ? 2 * kPeerWarps : kPeerWarps;  // sending warps of a ring, both halves
+
+// The rank that peer group g serves.
+PYEP_DEVICE int group_rank(int g, int me) { return kLocalDirect && g >= me ? g + 1 : g; }
 
 #ifndef PYEP_HIDDEN_BYTES
 #define PYEP_HIDDEN_BYTES 512
@@ -119,7 +163,7 @@ PYEP_DEVICE void push_token(const DispatchParams& p, int d, i64 gs, i32 tok, int
 PYEP_DEVICE void dispatch_send(const DispatchParams& p, int c, int d, int wg, int lane, u64* slot) {
     const Ctx& ctx = p.ctx;
     const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
-    const SubRings sr = sub_rings(ctx, kWarpsPerRank);
+    const SubRings sr = sub_rings(ctx, kRingWarps);
     if (wg >= sr.n) return;
     i32 lo, hi;
     channel_range(p.num_tokens, C, c, lo, hi);
@@ -148,11 +192,14 @@ PYEP_DEVICE void dispatch_send(const DispatchParams& p, int c, int d, int wg, in
             if (o % sr.n != wg || o >= count) continue;
             if (pushed - static_cast<i32>(freed) >= sr.slots) {
                 const i32 want = pushed;
+                const u64 since = probe_clock();
                 if (!warp_poll(ctx, head, freed, [&](u32 h) { return want - static_cast<i32>(h) < sr.slots; }, kOpDispatch,
                                kWaitHead, c, d, freed, pushed, sr.slots, lane))
                     return;
+                probe_waited(since);
             }
             push_token(p, d, sub + pushed % sr.slots, t + b, lane);
+            probe_rows(1);
             pushed++;
             post(slot, hdr | static_cast<u64>(pushed), lane);
         }
@@ -162,15 +209,20 @@ PYEP_DEVICE void dispatch_send(const DispatchParams& p, int c, int d, int wg, in
     if (wg == 0 && ord != count && lane == 0) fail(ctx, kOpDispatch, kCodeMismatch, kBadInRank, c, d, ord, count, 0);
 }
 
-// Receiving warp wg of peer s on channel c: sub-ring wg, into rows base + wg, base + wg + W, ...
-PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int s, int wg, int lane, i64* s_avail) {
+// Receiving warp i of group g (peer s) of half q on channel c: sub-ring wg (i, after half 0's
+// warps in half 1), into rows base + wg, base + wg + W, ... The half's first receiving warp of the
+// group finds base; the half that drains sub-ring 0 also checks the counts.
+PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int g, int s, int q, int i, int lane, i64* s_avail) {
+    const int wg = q == 0 ? i : recv_warps(0) + i;
+    const bool checks = q == (recv_warps(0) > 0 ? 0 : 1);
     const Ctx& ctx = p.ctx;
     const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
     const int ring = c * R + s;
     const i32* rank_prefix = reinterpret_cast<const i32*>(p.rank_prefix);
     // The leader warp collects s's announced counts of channels 0..c: our rows start after
     // those of channels before c.
-    if (wg == 0) {
+    const u64 announced = probe_clock();
+    if (i == 0) {
         i64 before = 0, mine = 0;
         bool ok = true;
         for (int cc = lane; cc <= c && ok; cc += 32) {
@@ -196,26 +248,28 @@ PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int s, int wg, in
         if (lane == 0) {
             i64 flag = ok ? 0 : 1;
             const i64 base = (s > 0 ? rank_prefix[(s - 1) * R + me] : 0) + before;
-            if (ok && c == C - 1 && base + mine != rank_prefix[s * R + me]) {
+            if (ok && checks && c == C - 1 && base + mine != rank_prefix[s * R + me]) {
                 fail(ctx, kOpDispatch, kCodeMismatch, kBadRows, c, s,
                      base + mine - (s > 0 ? rank_prefix[(s - 1) * R + me] : 0),
                      rank_prefix[s * R + me] - (s > 0 ? rank_prefix[(s - 1) * R + me] : 0), 0);
                 flag = 1;
             }
-            if (ok && flag == 0 && (base < 0 || base + mine > p.num_out_rows)) {
+            if (ok && checks && flag == 0 && (base < 0 || base + mine > p.num_out_rows)) {
                 fail(ctx, kOpDispatch, kCodeMismatch, kRowsOverflow, c, s, base, base + mine, p.num_out_rows);
                 flag = 1;
             }
-            if (flag == 0 && p.recv_channel_prefix != 0)
+            if (ok && !checks && (base < 0 || base + mine > p.num_out_rows)) flag = 1;  // the other half says why
+            if (flag == 0 && checks && p.recv_channel_prefix != 0)
                 reinterpret_cast<i32*>(p.recv_channel_prefix)[s * C + c] = static_cast<i32>(before);
             s_avail[2 * s] = flag ? -1 : base;
             s_avail[2 * s + 1] = mine;
         }
     }
-    group_sync(s);
+    bar_sync(1 + g, recv_warps(q) * 32);
+    probe_waited(announced);
     const i64 base = s_avail[2 * s];
     const i32 count = static_cast<i32>(s_avail[2 * s + 1]);
-    const SubRings sr = sub_rings(ctx, kWarpsPerRank);
+    const SubRings sr = sub_rings(ctx, kRingWarps);
     if (base < 0 || wg >= sr.n) return;
 
     const u8* buf = reinterpret_cast<const u8*>(ctx.data[me]);
@@ -235,9 +289,11 @@ PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int s, int wg, in
             }
             u64 v;
             const i32 want = k;
+            const u64 since = probe_clock();
             if (!warp_poll(ctx, tail, v, [&](u64 w) { return static_cast<i32>(static_cast<u32>(w)) > want; }, kOpDispatch,
                            kWaitTail, c, s, wg + static_cast<i64>(k) * sr.n, count, 0, lane))
                 return;
+            probe_waited(since);
             avail = min(static_cast<i32>(static_cast<u32>(v)), mine);
         }
         const i64 gs = sub + k % sr.slots;
@@ -266,6 +322,7 @@ PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int s, int wg, in
                 dw[q] = q == lane ? w0 : ld_ring(sw + q);
             }
         }
+        probe_rows(1);
         if (k + 1 - freed >= free_every) {
             warp_publish(head, static_cast<u32>(k + 1), lane);
             freed = k + 1;
@@ -286,7 +343,7 @@ PYEP_DEVICE void copy_local_token(const DispatchParams& p, i64 row, i32 tok, int
                lane);
 }
 
-// Channel c's tokens for this rank itself, copied by the warp groups of both its blocks (the
+// Channel c's tokens for this rank itself, copied by the own groups of both its blocks (the
 // sending block's is part 0, the receiving block's part 1): warp j = part * W + wg takes the
 // ordinals j mod 2W, into rows after those of the lower ranks and of channels before c (which the
 // channel_prefix_matrix gives; the receiver learns a peer's from its announcements). Warp 0 of
@@ -295,8 +352,8 @@ PYEP_DEVICE void copy_local_token(const DispatchParams& p, i64 row, i32 tok, int
 PYEP_DEVICE void dispatch_local(const DispatchParams& p, int c, int part, int wg, int lane) {
     const Ctx& ctx = p.ctx;
     const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
-    constexpr int kParts = 2 * kWarpsPerRank;
-    const int j = part * kWarpsPerRank + wg;
+    constexpr int kParts = 2 * kOwnWarps;
+    const int j = part * kOwnWarps + wg;
     i32 lo, hi;
     channel_range(p.num_tokens, C, c, lo, hi);
     const i32* cp = reinterpret_cast<const i32*>(p.channel_prefix);
@@ -329,7 +386,7 @@ PYEP_DEVICE void dispatch_local(const DispatchParams& p, int c, int part, int wg
         for (i32 o = ord; m != 0; o++) {
             const int b = __ffs(m) - 1;
             m &= m - 1;
-            if (o % kParts == j && o < count) copy_local_token(p, base + o, t + b, lane);
+            if (o % kParts == j && o < count) copy_local_token(p, base + o, t + b, lane), probe_rows(1);
         }
         ord += __popc(mask);
     }
@@ -363,24 +420,35 @@ template <typename Start>
 PYEP_DEVICE void dispatch_block(const DispatchParams& p, int b, bool pad, Start start) {
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
     const int c = b / 2;
-    const bool sender = b % 2 == 0;
     PYEP_SHARED(i64, s_avail, 2 * kRanks);
-    PYEP_SHARED(u64, s_tail, kRanks * kWarpsPerRank);
+    PYEP_SHARED(u64, s_tail, kPeerGroups > 0 ? kPeerGroups * kPeerWarps : 1);
     PYEP_SHARED(i32, s_left, 1);  // sending warps not done
-    for (int i = tid; i < kRanks * kWarpsPerRank; i += kThreads) s_tail[i] = 0;
-    if (tid == 0) s_left[0] = kRanks * kWarpsPerRank;
+    const int q = b % 2, sending = kPeerGroups * send_warps(q), receiving = kPeerGroups * recv_warps(q);
+    for (int i = tid; i < sending; i += kThreads) s_tail[i] = 0;
+    if (tid == 0) s_left[0] = sending;
+    probe_entry();
     if (!start(tid)) return;
-    const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
-    const bool local = kLocalDirect && g == p.ctx.rank;
-    if (sender && g < kRanks) {
-        if (local) dispatch_local(p, c, 0, wg, lane);
-        else dispatch_send(p, c, g, wg, lane, s_tail + warp);
+    probe_start();
+    const int me = p.ctx.rank;
+    int role = kProbeIdle, peer = me;
+    if (warp < sending) {  // sending group g, sub-rings of half 0 first
+        const int g = warp / send_warps(q), i = warp % send_warps(q);
+        peer = group_rank(g, me);
+        dispatch_send(p, c, peer, q == 0 ? i : send_warps(0) + i, lane, s_tail + warp);
         if (lane == 0) red_add_release_cta(s_left, -1);
-    } else if (sender && warp == kPublisher) {
-        publish_tails(p.ctx, c, s_tail, s_left, lane);
-    } else if (!sender && g < kRanks) {
-        if (local) dispatch_local(p, c, 1, wg, lane);
-        else dispatch_recv(p, c, g, wg, lane, s_avail);
+        role = kProbeSend;
+    } else if (warp < sending + receiving) {  // receiving group g
+        const int g = (warp - sending) / recv_warps(q), i = (warp - sending) % recv_warps(q);
+        peer = group_rank(g, me);
+        dispatch_recv(p, c, g, peer, q, i, lane, s_avail);
+        role = kProbeRecv;
+    } else if (warp < sending + receiving + kOwnWarps) {
+        dispatch_local(p, c, q, warp - sending - receiving, lane);
+        role = q == 0 ? kProbeLocalSend : kProbeLocalRecv;
+    } else if (warp == kPublisher && sending > 0) {
+        publish_tails<kPeerGroups, kPeerWarps, kLocalDirect>(p.ctx, c, s_tail, s_left, lane, q == 0 ? 0 : send_warps(0));
+        role = kProbePublish;
     }
-    if (!sender && pad && p.num_out_rows > 0) dispatch_pad(p, c * kWarps + warp, p.ctx.num_channels * kWarps, lane);
+    if (q == 1 && pad && p.num_out_rows > 0) dispatch_pad(p, c * kWarps + warp, p.ctx.num_channels * kWarps, lane);
+    probe_end(kProbeDispatch, role, peer);
 }

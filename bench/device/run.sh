@@ -23,6 +23,8 @@
 #                    and round, the variants alternating, R rounds (default 2); AB_VARIANTS names them,
 #                    "name[=VAR=value,...];...", e.g. "old=PYEP_NORMAL_THREADS=768,PYEP_COPY_UNROLL=8;new"; then a
 #                    table of the median µs of each op, a column a run (ab-N/)
+#   probe:N          bench/device/normal_probe.py with N ranks: the probe build of the normal-mode kernels, each
+#                    warp's role, rows, end and waits in one call of each op, summed up (probe-N.json: the records)
 #   timeline:N       the same calls with the kernels' timeline (PYEP_LL_TIMELINE=1, ll_profile.py --timeline):
 #                    per kernel and phase, where each block's time goes, rank 0 and the slowest rank
 #   hostpath[:N]     bench/hostpath.py on GPU 0, N runs (default 2): each call's host time split into Python, the Go
@@ -161,6 +163,10 @@ ab() {  # N [rounds]
     done
 }
 
+probe() {  # N
+    PYEP_TIMEOUT_S=60 torchrun --nproc-per-node "$1" bench/device/normal_probe.py --json "$RES/probe-$1.json"
+}
+
 timeline() {  # N
     PYEP_TIMEOUT_S=60 torchrun --nproc-per-node "$1" bench/device/ll_profile.py --timeline --iters 20
 }
@@ -193,6 +199,7 @@ for stage in "$@"; do
         ll-bench) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f bench_run deepep_ready); bench_run $a --ll ${b:+--ll-nodes $b}" ;;
         nodes) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f nodes); nodes $a $b" ;;
         ncu-ll) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f ncu_ll); ncu_ll $a" ;;
+        probe) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f probe); probe $a" ;;
         timeline) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f timeline); timeline $a" ;;
         ab) mkdir -p "$RES/ab-$a" && timeout "$STAGE_TIMEOUT" bash -c "$(declare -f ab); ab $a ${b:-}" ;;
         hostpath) timeout "$STAGE_TIMEOUT" bash -c "$(declare -f hostpath); hostpath ${a:-}" ;;

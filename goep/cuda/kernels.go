@@ -56,8 +56,8 @@ func (o NormalOptions) withDefaults() NormalOptions {
 	return o
 }
 
-// extraFlags are further NVRTC options for every kernel, from PYEP_JIT_FLAGS (space-separated,
-// e.g. "-lineinfo" for compute-sanitizer's source lines).
+// extraFlags are further NVRTC options for every kernel, from PYEP_JIT_FLAGS as set when the core
+// is loaded (space-separated, e.g. "-lineinfo" for compute-sanitizer's source lines).
 var extraFlags = env.Flags()
 
 // kernelCache is a device's loaded kernels (its zero value is ready): modules live in the

@@ -65,8 +65,9 @@ func parseUnroll(s string) int {
 	return n
 }
 
-// Flags is PYEP_JIT_FLAGS as read at start-up.
-func Flags() []string { return strings.Fields(os.Getenv(JITFlags)) }
+// Flags is PYEP_JIT_FLAGS as set now (the kernel cache reads it once, when the core is loaded: Python
+// may set it before it imports pyep).
+func Flags() []string { return strings.Fields(Get(JITFlags)) }
 
 // Sync reports whether PYEP_DEBUG_SYNC=1 was set at start-up.
 func Sync() bool { return os.Getenv(DebugSync) == "1" }

@@ -30,7 +30,19 @@ func NotifyDefines(numRanks, notifyThreads int) map[string]string {
 func DispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec int, s Shape) map[string]string {
 	return map[string]string{"PYEP_DISPATCH": "", "PYEP_RANKS": itoa(numRanks), "PYEP_HIDDEN_BYTES": itoa(hiddenBytes),
 		"PYEP_SCALES_BYTES": itoa(scalesBytes), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec),
-		"PYEP_THREADS": itoa(s.Threads), "PYEP_COPY_UNROLL": itoa(s.Unroll)}
+		"PYEP_THREADS": itoa(s.Threads), "PYEP_COPY_UNROLL": itoa(s.Unroll), "PYEP_SPLIT_SEND": itoa(splitSend(scalesBytes))}
+}
+
+// splitSend is PYEP_SPLIT_SEND (kernels/intranode_dispatch.cuh): 1 where both blocks of a channel
+// send and receive, the rows with scales (FP8), 0 where one block sends and the other receives, the
+// rows without. An A/B on 2x H200 (4096 tokens, hidden 7168, 24 SMs; pyep.bench µs, 1 vs 0): FP8
+// 142.0 vs 147.7, BF16 225.7 vs 220.7, cached BF16 217.8 vs 213.0
+// (bench/results/h200x2-2026-11-27-probe).
+func splitSend(scalesBytes int) int {
+	if scalesBytes > 0 {
+		return 1
+	}
+	return 0
 }
 
 // NotifyDispatchDefines are the queued dispatch's kernel's (notify in block 0, then the dispatch's

@@ -23,3 +23,13 @@ func TestShapeFor(t *testing.T) {
 	// A warp for each rank and one more.
 	assert.Equal(t, Shape{288, 8}, ShapeFor(OpDispatch, 8, 64, 0))
 }
+
+func TestDispatchDefinesSplitSend(t *testing.T) {
+	// Rows with scales (FP8): both blocks of a channel send; rows without: one block sends.
+	s := ShapeFor(OpDispatchFP8, 2, 0, 0)
+	assert.Equal(t, "1", DispatchDefines(2, 7168, 224, 8, 16, s)["PYEP_SPLIT_SEND"])
+	assert.Equal(t, "1", NotifyDispatchDefines(2, 7168, 224, 8, 16, s)["PYEP_SPLIT_SEND"])
+	s = ShapeFor(OpDispatch, 2, 0, 0)
+	assert.Equal(t, "0", DispatchDefines(2, 14336, 0, 8, 16, s)["PYEP_SPLIT_SEND"])
+	assert.Equal(t, "0", NotifyDispatchDefines(2, 14336, 0, 0, 16, s)["PYEP_SPLIT_SEND"])
+}
