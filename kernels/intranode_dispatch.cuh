@@ -157,9 +157,10 @@ PYEP_DEVICE void push_token(const DispatchParams& p, int d, i64 gs, i32 tok, int
                lane);
 }
 
-// Sending warp wg of peer d on channel c: the channel's tokens for d with ordinal wg mod W, into
-// sub-ring wg; it posts its tail word to the publisher at *slot. Warp 0 also writes send_head and
-// checks the count against is_token_in_rank.
+// The sending warp of sub-ring wg of peer d on channel c (in either half): the channel's tokens for
+// d with ordinal wg mod W (W sub-rings), into sub-ring wg; it posts its tail word to its half's
+// publisher at *slot. The warp of sub-ring 0 also writes send_head and checks the count against
+// is_token_in_rank.
 PYEP_DEVICE void dispatch_send(const DispatchParams& p, int c, int d, int wg, int lane, u64* slot) {
     const Ctx& ctx = p.ctx;
     const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
