@@ -9,7 +9,7 @@ gopy call's argument conversion up to the stub. The core's own part is measured 
     python -m pyep.bench.overhead                      # cpu, 64 tokens, hidden 256, top-8 of 256 experts
     python -m pyep.bench.overhead --device cuda --tokens 4096 --hidden 7168
 
-dispatch_planned and combine_planned are a layer's calls after the call that plans them (a layout, a cached dispatch
+dispatch_planned, dispatch_fp8_planned and combine_planned are a layer's calls after the call that plans them (a layout, a cached dispatch
 with the handle), untimed; PYEP_PLANS=0 runs the same calls unplanned.
 """
 import argparse
@@ -28,11 +28,11 @@ from pyep import _core
 
 # The layout last: the dispatches pass the tensors of the last real layout, as a model does (a stubbed one writes
 # nothing and would make them tensors of another layout).
-CALLS = ("dispatch_bf16", "dispatch_fp8", "dispatch_cached", "combine", "layout", "dispatch_planned", "combine_planned",
-         "ll_dispatch", "ll_combine")
+CALLS = ("dispatch_bf16", "dispatch_fp8", "dispatch_cached", "combine", "layout", "dispatch_planned",
+         "dispatch_fp8_planned", "combine_planned", "ll_dispatch", "ll_combine")
 # What runs before each call of these, untimed: the call before it in a layer, which plans it (README, "Notes on the Go
 # binding"; PYEP_PLANS=0 measures the same calls unplanned).
-PLANNED = {"dispatch_planned": "layout", "combine_planned": "dispatch_cached"}
+PLANNED = {"dispatch_planned": "layout", "dispatch_fp8_planned": "layout", "combine_planned": "dispatch_cached"}
 
 
 def parse_args(argv=None):
@@ -154,6 +154,7 @@ def measure(args) -> Dict[str, Tuple[float, float]]:
         "dispatch_cached": lambda: buffer.dispatch(x, handle=handle),
         "combine": lambda: buffer.combine(y, handle, topk_weights=recv_w),
         "dispatch_planned": lambda: buffer.dispatch(x, **layout, topk_idx=topk, topk_weights=weights),
+        "dispatch_fp8_planned": lambda: buffer.dispatch(x_fp8, **layout, topk_idx=topk, topk_weights=weights),
         "combine_planned": lambda: buffer.combine(y, handle, topk_weights=recv_w),
         "ll_dispatch": lambda: buffer.low_latency_dispatch(ll_x, ll_topk, M, E, use_fp8=True),
         "ll_combine": lambda: buffer.low_latency_combine(ll_y, ll_topk, ll_w, ll_handle),
