@@ -163,9 +163,9 @@ constexpr int kWarpsPerRank = (kWarps - 1) / kRanks;
 constexpr int kPublisher = kWarps - 1;
 static_assert(kRanks * kWarpsPerRank <= 32, "a publisher lane per sending warp");
 
-// Group g of `warps` warps synchronises on named barrier 1 + g.
-template <int kGroupWarps>
-PYEP_DEVICE void group_sync(int g) { bar_sync(1 + g, kGroupWarps * 32); }
+// The rank that group g serves: g, or with skip_self (a dispatch's peers, this rank's own rows
+// having a group of their own) g + 1 from this rank's own on.
+PYEP_DEVICE int group_rank(int g, int me, bool skip_self) { return skip_self && g >= me ? g + 1 : g; }
 
 // ---------------------------------------------------------------------------------------------
 // The probe, a diagnosis instrument (issue #18), built only with PYEP_JIT_FLAGS=-DPYEP_PROBE=ADDR,
@@ -235,16 +235,16 @@ PYEP_DEVICE bool call_barriers(const Ctx& ctx, i32 op, int tid) {
 }
 
 // The sending block's publisher: lane j serves the sending warp that posts at s_tail[j], sub-ring
-// first + j % kGroupWarps of channel c to the rank of group j / kGroupWarps (group g serves rank g,
-// or with kSkipSelf rank g + 1 from this rank's own on). Whenever some of them posted progress, one fence
-// (cumulative: it covers the stores the warps released to it) and then their tail words, so the
-// sending warps stream without ever waiting on a system-scope fence. Returns once every sending
-// warp counted itself out of s_left (after its last post), or the buffer aborted.
+// first + j % kGroupWarps of channel c to the rank of group j / kGroupWarps (group_rank). Whenever
+// some of them posted progress, one fence (cumulative: it covers the stores the warps released to
+// it) and then their tail words, so the sending warps stream without ever waiting on a
+// system-scope fence. Returns once every sending warp counted itself out of s_left (after its last
+// post), or the buffer aborted.
 template <int kGroups, int kGroupWarps, bool kSkipSelf>
 PYEP_DEVICE void publish_tails(const Ctx& ctx, int c, const u64* s_tail, const i32* s_left, int lane, int first) {
     static_assert(kGroups * kGroupWarps <= 32, "a publisher lane per sending warp");
     const int R = kRanks, g = lane / kGroupWarps, w = first + lane % kGroupWarps;
-    const int d = kSkipSelf && g >= ctx.rank ? g + 1 : g;
+    const int d = group_rank(g, ctx.rank, kSkipSelf);
     const bool mine = lane < kGroups * kGroupWarps;
     u64* tail = mine ? tail_word(ctx, d, c * R + ctx.rank, w) : nullptr;
     u64 published = 0;

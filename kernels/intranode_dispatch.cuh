@@ -67,9 +67,6 @@ PYEP_DEVICE constexpr int send_warps(int q) { return kSplitSend || q == 0 ? kPee
 PYEP_DEVICE constexpr int recv_warps(int q) { return kSplitSend || q == 1 ? kPeerWarps : 0; }
 constexpr int kRingWarps = kSplitSend ? 2 * kPeerWarps : kPeerWarps;  // sending warps of a ring, both halves
 
-// The rank that peer group g serves.
-PYEP_DEVICE int group_rank(int g, int me) { return kLocalDirect && g >= me ? g + 1 : g; }
-
 #ifndef PYEP_HIDDEN_BYTES
 #define PYEP_HIDDEN_BYTES 512
 #endif
@@ -434,13 +431,13 @@ PYEP_DEVICE void dispatch_block(const DispatchParams& p, int b, bool pad, Start 
     int role = kProbeIdle, peer = me;
     if (warp < sending) {  // sending group g, sub-rings of half 0 first
         const int g = warp / send_warps(q), i = warp % send_warps(q);
-        peer = group_rank(g, me);
+        peer = group_rank(g, me, kLocalDirect);
         dispatch_send(p, c, peer, q == 0 ? i : send_warps(0) + i, lane, s_tail + warp);
         if (lane == 0) red_add_release_cta(s_left, -1);
         role = kProbeSend;
     } else if (warp < sending + receiving) {  // receiving group g
         const int g = (warp - sending) / recv_warps(q), i = (warp - sending) % recv_warps(q);
-        peer = group_rank(g, me);
+        peer = group_rank(g, me, kLocalDirect);
         dispatch_recv(p, c, g, peer, q, i, lane, s_avail);
         role = kProbeRecv;
     } else if (warp < sending + receiving + kOwnWarps) {

@@ -111,7 +111,9 @@ func TestEmulatedQueuedPeerAbsent(t *testing.T) {
 			errs, _ := queuedDispatch(t, envs, c, notifyOps(t, envs, c), c.R*c.T, 0)
 			require.Error(t, errs[0])
 			t.Log(errs[0])
-			assert.Less(t, time.Since(start), 10*time.Second)
+			// Bounded, not hung; the bound also covers the emulator's cold compile of the kernel (5-15 s
+			// on a busy 2-core machine).
+			assert.Less(t, time.Since(start), 60*time.Second)
 			assert.ErrorContains(t, errs[0], "dispatch")
 			assert.ErrorContains(t, errs[0], "rank 0")
 			assert.ErrorContains(t, errs[0], "timed out after")
