@@ -9,7 +9,8 @@
 //   both           pyep_notify_dispatch, the queued dispatch in one launch: notify in block 0,
 //                  pyep_dispatch's blocks after it; the dispatch's constants.
 //   PYEP_COMBINE   pyep_combine; constants: PYEP_RANKS, PYEP_HIDDEN, PYEP_DTYPE (1 bf16,
-//                  2 fp16, 3 fp32), PYEP_TOPK, PYEP_VEC.
+//                  2 fp16, 3 fp32), PYEP_TOPK, PYEP_VEC, PYEP_BIASES (the biases given: bit 0
+//                  bias0, bit 1 bias1).
 // Dispatch and combine also take their shape, chosen per op and rank count by the host
 // (goep/cuda/normal/shape.go): PYEP_THREADS (the block size) and PYEP_COPY_UNROLL.
 //
@@ -21,11 +22,11 @@
 // pyep:defines PYEP_DISPATCH PYEP_RANKS=2 PYEP_HIDDEN_BYTES=198 PYEP_SCALES_BYTES=4 PYEP_TOPK=9 PYEP_VEC=2
 // pyep:defines PYEP_NOTIFY PYEP_DISPATCH PYEP_RANKS=8 PYEP_HIDDEN_BYTES=7168 PYEP_SCALES_BYTES=224 PYEP_TOPK=8 PYEP_VEC=16
 // pyep:defines PYEP_NOTIFY PYEP_DISPATCH PYEP_RANKS=2 PYEP_HIDDEN_BYTES=198 PYEP_SCALES_BYTES=4 PYEP_TOPK=9 PYEP_VEC=2
-// pyep:defines PYEP_COMBINE PYEP_RANKS=4 PYEP_HIDDEN=7168 PYEP_DTYPE=1 PYEP_TOPK=8 PYEP_VEC=16
-// pyep:defines PYEP_COMBINE PYEP_RANKS=8 PYEP_HIDDEN=2880 PYEP_DTYPE=2 PYEP_TOPK=0 PYEP_VEC=16
-// pyep:defines PYEP_COMBINE PYEP_RANKS=1 PYEP_HIDDEN=100 PYEP_DTYPE=3 PYEP_TOPK=33 PYEP_VEC=16
-// pyep:defines PYEP_COMBINE PYEP_RANKS=5 PYEP_HIDDEN=99 PYEP_DTYPE=1 PYEP_TOPK=1 PYEP_VEC=2
-// pyep:defines PYEP_COMBINE PYEP_RANKS=4 PYEP_HIDDEN=2880 PYEP_DTYPE=1 PYEP_TOPK=8 PYEP_VEC=16
+// pyep:defines PYEP_COMBINE PYEP_RANKS=4 PYEP_HIDDEN=7168 PYEP_DTYPE=1 PYEP_TOPK=8 PYEP_VEC=16 PYEP_BIASES=0
+// pyep:defines PYEP_COMBINE PYEP_RANKS=8 PYEP_HIDDEN=2880 PYEP_DTYPE=2 PYEP_TOPK=0 PYEP_VEC=16 PYEP_BIASES=3
+// pyep:defines PYEP_COMBINE PYEP_RANKS=1 PYEP_HIDDEN=100 PYEP_DTYPE=3 PYEP_TOPK=33 PYEP_VEC=16 PYEP_BIASES=1
+// pyep:defines PYEP_COMBINE PYEP_RANKS=5 PYEP_HIDDEN=99 PYEP_DTYPE=1 PYEP_TOPK=1 PYEP_VEC=2 PYEP_BIASES=2
+// pyep:defines PYEP_COMBINE PYEP_RANKS=4 PYEP_HIDDEN=2880 PYEP_DTYPE=1 PYEP_TOPK=8 PYEP_VEC=16 PYEP_BIASES=0
 //
 // # Memory
 //
@@ -43,8 +44,10 @@
 // yet). The head words, in the sender's region (heads[c*R + r][w] of s, written by r), count
 // what r has consumed: per sub-ring in dispatch; in combine, word 0 counts the ring's tokens
 // freed (the reducers take tokens in token order, not by sub-ring). So both sides poll their own
-// memory and only write across NVLink. A dispatch leaves ring (c, r -> r) unused: a rank's own
-// tokens go straight from x to its received rows (intranode_dispatch.cuh's dispatch_local).
+// memory and only write across NVLink. Ring (c, r -> r) carries no rows: in a dispatch a rank's
+// own tokens go straight from x to its received rows (intranode_dispatch.cuh's dispatch_local), in
+// a combine the reducers read them in x, and the sending block's reducers report their progress
+// to the coordinator in that ring's tail words (intranode_combine.cuh's Progress).
 //
 // Counters are reset by their owner between two barriers at the start of every call: after the
 // first barrier no peer still runs an earlier kernel that writes here, after the second every
@@ -174,11 +177,14 @@ PYEP_DEVICE int group_rank(int g, int me, bool skip_self) { return skip_self && 
 // [kernel][block][warp]: 1 + its role, the peer it served, the rows it moved, when it entered,
 // started (after the call's barriers) and ended (%globaltimer ns, one clock for all SMs), the SM
 // cycles it spent polling a peer's word (clock64) and its cycles from start to end (to convert
-// them). bench/device/normal_probe.py reads and sums them up. Without PYEP_PROBE every probe_
-// function is empty.
+// them). After the records, kProbeTokens records of 8 u64s, one a token the combine reduces (its
+// index): when its reducer began to wait for it, when its rows were all there, when their
+// sources were checked, when the first run of vectors was summed, when it was reduced (ns), and
+// the reducer's block * 32 + warp. bench/device/normal_probe.py reads and sums them up. Without
+// PYEP_PROBE every probe_ function is empty.
 enum ProbeRole : int { kProbeSend, kProbeRecv, kProbeLocalSend, kProbeLocalRecv, kProbePublish, kProbeCoordinate,
                        kProbeReduce, kProbeIdle };
-enum : int { kProbeDispatch, kProbeCombine, kProbeKernels, kProbeBlocks = 128 };
+enum : int { kProbeDispatch, kProbeCombine, kProbeKernels, kProbeBlocks = 128, kProbeTokens = 16384 };
 #if defined(PYEP_PROBE) && !defined(PYEP_EMU)
 __shared__ u64 g_probe[kWarps][5];  // wait cycles, rows, entry ns, start ns, start cycles
 PYEP_DEVICE u64* probe_row() { return g_probe[threadIdx.x / 32]; }
@@ -204,6 +210,14 @@ PYEP_DEVICE void probe_end(int kernel, int role, int peer) {
     out[0] = 1 + role, out[1] = static_cast<u64>(peer), out[2] = r[1], out[3] = r[2], out[4] = r[3], out[5] = end;
     out[6] = r[0], out[7] = cycles;
 }
+PYEP_DEVICE u64 probe_now() { return globaltimer(); }
+PYEP_DEVICE void probe_token(i64 t, u64 since, u64 ready, u64 checked, u64 first) {
+    if (threadIdx.x % 32 != 0 || t < 0 || t >= kProbeTokens) return;
+    u64* out = reinterpret_cast<u64*>(static_cast<unsigned long long>(PYEP_PROBE)) +
+               static_cast<u64>(kProbeKernels) * kProbeBlocks * 32 * 8 + t * 8;
+    out[0] = since, out[1] = ready, out[2] = checked, out[3] = first, out[4] = globaltimer();
+    out[5] = blockIdx.x * 32 + threadIdx.x / 32;
+}
 #else
 PYEP_DEVICE void probe_entry() {}
 PYEP_DEVICE void probe_start() {}
@@ -211,6 +225,8 @@ PYEP_DEVICE u64 probe_clock() { return 0; }
 PYEP_DEVICE void probe_waited(u64) {}
 PYEP_DEVICE void probe_rows(int) {}
 PYEP_DEVICE void probe_end(int, int, int) {}
+PYEP_DEVICE u64 probe_now() { return 0; }
+PYEP_DEVICE void probe_token(i64, u64, u64, u64, u64) {}
 #endif
 
 // The call's barriers, at the start of a cached dispatch or a combine (in place of a kernel of
@@ -369,32 +385,38 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_combine(const Com
     for (int i = tid; i < kRanks * kWarpsPerRank; i += kThreads) s_tail[i] = 0;
     if (tid == 0) {
         s_flag[0] = start_ok(p.ctx, kOpCombine) ? 0 : 1;
-        s_flag[1] = kRanks * kWarpsPerRank;
+        s_flag[1] = (kRanks - 1) * kWarpsPerRank;
     }
     probe_entry();
     __syncthreads();
     if (s_flag[0] != 0) return;
     if (!call_barriers(p.ctx, kOpCombine, tid)) return;
     probe_start();
-    const int g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
-    int role = kProbeIdle;
+    // The sending block: warp group g < R - 1 serves peer group_rank(g), the group after them
+    // reduces.
+    const int me = p.ctx.rank, g = warp / kWarpsPerRank, wg = warp % kWarpsPerRank;
+    int role = kProbeIdle, peer = me;
     if (sender) {
-        if (g < kRanks) {
-            combine_send(p, c, g, wg, lane, s_tail + warp);
+        if (g < kRanks - 1) {
+            peer = group_rank(g, me, true);
+            combine_send(p, c, peer, wg, lane, s_tail + warp);
             if (lane == 0) red_add_release_cta(s_flag + 1, -1);
             role = kProbeSend;
+        } else if (g == kRanks - 1) {
+            combine_reduce(p, c, kReducers + wg, lane, Progress{nullptr, tail_word(p.ctx, me, c * kRanks + me, wg)});
+            role = kProbeReduce;
         } else if (warp == kPublisher) {
-            publish_tails<kRanks, kWarpsPerRank, false>(p.ctx, c, s_tail, s_flag + 1, lane, 0);
+            publish_tails<kRanks - 1, kWarpsPerRank, true>(p.ctx, c, s_tail, s_flag + 1, lane, 0);
             role = kProbePublish;
         }
     } else if (warp == 0) {
         combine_coordinate(p, c, lane, s_cur);
         role = kProbeCoordinate;
     } else {
-        combine_reduce(p, c, warp - 1, lane, s_cur);
+        combine_reduce(p, c, warp - 1, lane, Progress{s_cur + warp - 1, nullptr});
         role = kProbeReduce;
     }
-    probe_end(kProbeCombine, role, g);
+    probe_end(kProbeCombine, role, peer);
 }
 
 #endif  // PYEP_COMBINE

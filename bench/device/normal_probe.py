@@ -6,7 +6,9 @@ moved, when it started and ended, and the cycles it spent polling a peer's word.
 reference shape (4096 tokens, hidden 7168, top-8 of 256, 24 SMs; DeepEP's routing and column-major FP8 scales) a few
 times, then reads the records of its last call and sums them up, per rank and role: how many warps, rows a warp,
 when the first, the median and the last warp of the role ended (µs after the kernel's first entry on the rank) and
-the share of its time a warp waited.
+the share of its time a warp waited. For the combine, also the record its reducers keep a token: how long tokens
+waited for their rows and took to reduce (from their rows' arrival: checking the sources, the first vectors, all),
+and when the last rows came and the last token was done.
 
     torchrun --nproc-per-node 2 bench/device/normal_probe.py
 
@@ -25,6 +27,8 @@ import torch.distributed as dist
 ROLES = ["send", "recv", "local-send", "local-recv", "publish", "coordinate", "reduce", "idle"]
 OPS = ["dispatch_bf16", "dispatch_fp8", "cached_bf16", "cached_fp8", "cached_fp8_rows", "combine_bf16"]
 KERNELS, BLOCKS, WARPS, WORDS = 2, 128, 32, 8  # intranode.cu's probe records: [kernel][block][warp][word]
+TOKENS, TOKEN_WORDS = 16384, 8  # then the combine's tokens: [token][wait began, rows there, sources checked,
+# first vectors summed, reduced, reducer, 0, 0]
 
 
 def summary(op: str, rank: int, recs: list) -> str:
@@ -47,6 +51,34 @@ def summary(op: str, rank: int, recs: list) -> str:
     return "\n".join(out)
 
 
+def token_summary(rank: int, recs: list, toks: list) -> str:
+    """The combine's token records [wait began, rows there, checked, first vectors, reduced, block * 32 + warp, 0, 0],
+    as when and how long."""
+    t0 = min(r[3] for r in recs)
+    us = lambda ns: (ns - t0) / 1e3  # noqa: E731
+    got = [t for t in toks if t[4] != 0]
+    if not got:
+        return f"combine_bf16 rank {rank}: no token records"
+    wait = [(t[1] - t[0]) / 1e3 for t in got]
+    work = [(t[4] - t[1]) / 1e3 for t in got]
+    check = [(t[2] - t[1]) / 1e3 for t in got]
+    first = [(t[3] - t[2]) / 1e3 for t in got]
+    q = lambda xs, f: sorted(xs)[min(len(xs) - 1, int(f * len(xs)))]  # noqa: E731
+    by_block = {}
+    for t in got:
+        by_block.setdefault(t[5] // 32, []).append(t)
+    last = []
+    for ts in by_block.values():
+        ts.sort(key=lambda t: t[1])
+        last += ts[-8:]  # the 8 tokens of the block whose rows came last
+    return (f"combine_bf16 rank {rank} tokens: {len(got)}; waited for rows median {q(wait, .5):.1f} µs, p90 {q(wait, .9):.1f}; "
+            f"reduced in median {q(work, .5):.1f} µs (sources checked {q(check, .5):.1f}, the first vectors "
+            f"{q(first, .5):.1f} more), p90 {q(work, .9):.1f}, max {max(work):.1f}; rows of the last there at "
+            f"{us(max(t[1] for t in got)):.1f} µs, last reduced at {us(max(t[4] for t in got)):.1f}; each block's 8 last "
+            f"tokens: there median {q([us(t[1]) for t in last], .5):.1f}, reduced in median "
+            f"{q([(t[4] - t[1]) / 1e3 for t in last], .5):.1f} µs, max {max((t[4] - t[1]) / 1e3 for t in last):.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
@@ -65,7 +97,7 @@ def main() -> None:
         os.environ.setdefault("PYEP_BACKEND", "cuda")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         dev = torch.device("cuda")
-        probe = torch.zeros(KERNELS * BLOCKS * WARPS * WORDS, dtype=torch.int64, device=dev)
+        probe = torch.zeros(KERNELS * BLOCKS * WARPS * WORDS + TOKENS * TOKEN_WORDS, dtype=torch.int64, device=dev)
         os.environ["PYEP_JIT_FLAGS"] = (os.environ.get("PYEP_JIT_FLAGS", "") + f" -DPYEP_PROBE={probe.data_ptr()}ull").strip()
     import pyep  # reads PYEP_JIT_FLAGS now
     from pyep.bench.inputs import make_routing, make_x
@@ -108,11 +140,16 @@ def main() -> None:
         alone()
         if probe is not None:
             kernel = 1 if name.startswith("combine") else 0
-            block = probe.view(KERNELS, BLOCKS * WARPS, WORDS)[kernel].cpu().tolist()
+            n = KERNELS * BLOCKS * WARPS * WORDS
+            block = probe[:n].view(KERNELS, BLOCKS * WARPS, WORDS)[kernel].cpu().tolist()
             recs = [r for r in block if r[0] != 0]
             records[name] = recs
             if recs:
                 tables.append(summary(name, rank, recs))
+            if kernel == 1 and recs:
+                toks = probe[n:].view(TOKENS, TOKEN_WORDS)[:T].cpu().tolist()
+                records[name + "_tokens"] = toks
+                tables.append(token_summary(rank, recs, toks))
     everyone = [None] * R
     dist.all_gather_object(everyone, (tables, records))
     if rank == 0:

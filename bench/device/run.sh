@@ -21,8 +21,9 @@
 #   ab:N[:R]         A/B of builds or settings on one host: python -m pyep.bench, pyep only, at the reference
 #                    normal case (4096 tokens, hidden 7168, top-8 of 256, 24 SMs, 30 iterations), once per variant
 #                    and round, the variants alternating, R rounds (default 2); AB_VARIANTS names them,
-#                    "name[=VAR=value,...];...", e.g. "old=PYEP_NORMAL_THREADS=768,PYEP_COPY_UNROLL=8;new"; then a
-#                    table of the median µs of each op, a column a run (ab-N/)
+#                    "name[=VAR=value,...];...", e.g. "old=PYEP_NORMAL_THREADS=768,PYEP_COPY_UNROLL=8;new"; AB_OPS
+#                    the ops (pyep.bench --ops, default the four normal ones); then a table of the median µs of
+#                    each op, a column a run (ab-N/)
 #   probe:N          bench/device/normal_probe.py with N ranks: the probe build of the normal-mode kernels, each
 #                    warp's role, rows, end and waits in one call of each op, summed up (probe-N.json: the records)
 #   timeline:N       the same calls with the kernels' timeline (PYEP_LL_TIMELINE=1, ll_profile.py --timeline):
@@ -148,7 +149,7 @@ ab() {  # N [rounds]
             name=${v%%=*}
             vars=$([ "$v" = "$name" ] || echo "${v#*=}" | tr ',' ' ')
             env $vars timeout 180 python3 -m pyep.bench --nprocs "$n" --tokens 4096 --hidden 7168 --sms 24 --impls pyep \
-                --ops dispatch_bf16,dispatch_fp8,dispatch_cached,combine_bf16 --no-plots --warmup 10 --iters 30 \
+                --ops "${AB_OPS:-dispatch_bf16,dispatch_fp8,dispatch_cached,combine_bf16}" --no-plots --warmup 10 --iters 30 \
                 --host-iters 2 --out "$RES/ab-$n/$name-$r" >"$RES/ab-$n/$name-$r.log" 2>&1 || echo "$name-$r failed"
             runs+=("$name-$r")
         done

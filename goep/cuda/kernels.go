@@ -115,11 +115,11 @@ const (
 )
 
 // KernelKey identifies a compiled variant: the kernel and the numbers its engine specialises it
-// on (ranks, shape, block size, copy unroll; A to D as the engine uses them), which also make its
+// on (ranks, shape, block size, copy unroll; A to E as the engine uses them), which also make its
 // defines. Comparable, so a lookup allocates nothing.
 type KernelKey struct {
-	Kernel                             Kernel
-	Ranks, A, B, C, D, Threads, Unroll int32
+	Kernel                                Kernel
+	Ranks, A, B, C, D, E, Threads, Unroll int32
 }
 
 // kernelSymbol is where a kernel lives and the symbols it is loaded by.

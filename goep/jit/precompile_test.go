@@ -78,7 +78,7 @@ func TestPrecompileNormal(t *testing.T) {
 			if s.combineDT != 0 {
 				ces := map[int]int{1: 2, 2: 2, 3: 4}[s.combineDT]
 				for _, k := range []int{s.topk, 0} {
-					add(intranode, cudanormal.CombineDefines(R, s.hidden, s.combineDT, k, max(vec(s.hidden*ces), ces), combine))
+					add(intranode, cudanormal.CombineDefines(R, s.hidden, s.combineDT, k, 0, max(vec(s.hidden*ces), ces), combine))
 				}
 			}
 		}

@@ -54,9 +54,22 @@ func NotifyDispatchDefines(numRanks, hiddenBytes, scalesBytes, topk, vec int, s 
 }
 
 // CombineDefines are the combine kernel's: rows of hidden elements of dtype (1 bf16, 2 fp16,
-// 3 fp32), topk weights per row (0 for none), vec-byte vectors, run in shape s.
-func CombineDefines(numRanks, hidden, dtype, topk, vec int, s Shape) map[string]string {
+// 3 fp32), topk weights per row (0 for none), the biases added (bit 0 bias_0, bit 1 bias_1),
+// vec-byte vectors, run in shape s.
+func CombineDefines(numRanks, hidden, dtype, topk, biases, vec int, s Shape) map[string]string {
 	return map[string]string{"PYEP_COMBINE": "", "PYEP_RANKS": itoa(numRanks), "PYEP_HIDDEN": itoa(hidden),
-		"PYEP_DTYPE": itoa(dtype), "PYEP_TOPK": itoa(topk), "PYEP_VEC": itoa(vec),
+		"PYEP_DTYPE": itoa(dtype), "PYEP_TOPK": itoa(topk), "PYEP_BIASES": itoa(biases), "PYEP_VEC": itoa(vec),
 		"PYEP_THREADS": itoa(s.Threads), "PYEP_COPY_UNROLL": itoa(s.Unroll)}
+}
+
+// combineBiases is PYEP_BIASES for the bias tensors at b0 and b1 (0: none).
+func combineBiases(b0, b1 uint64) int {
+	n := 0
+	if b0 != 0 {
+		n |= 1
+	}
+	if b1 != 0 {
+		n |= 2
+	}
+	return n
 }

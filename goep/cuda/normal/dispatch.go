@@ -139,10 +139,11 @@ func (e *engine) Combine(peers []goep.Region, a *goep.CombineOp) error {
 		return goep.Argf("combine: x, bias and combined_x must be aligned to their %d-byte elements", es)
 	}
 	s := ShapeFor(OpCombine, R, e.opts.Threads, e.opts.Unroll)
+	biases := combineBiases(ptr(a.Bias0), ptr(a.Bias1))
 	key := cuda.KernelKey{Kernel: cuda.KernelCombine, Ranks: int32(R), A: int32(a.Hidden), B: dtype, C: int32(a.NumTopk),
-		D: int32(vec), Threads: int32(s.Threads), Unroll: int32(s.Unroll)}
+		D: int32(vec), E: int32(biases), Threads: int32(s.Threads), Unroll: int32(s.Unroll)}
 	f, err := e.b.Kernel(key, func() map[string]string {
-		return CombineDefines(R, a.Hidden, int(dtype), a.NumTopk, vec, s)
+		return CombineDefines(R, a.Hidden, int(dtype), a.NumTopk, biases, vec, s)
 	})
 	if err != nil {
 		return err

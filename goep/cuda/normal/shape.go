@@ -25,11 +25,13 @@ var baseShape = Shape{768, 8}
 // in bench/results/h200-2026-11-27-shapes), by op and rank count; the zero Shape is baseShape.
 // Where no shape was faster than the noise (FP8 dispatch at 2 and 4 ranks), the base stays; at 4
 // ranks the cached dispatch was 2% slower in the queued dispatch's shape, and DeepEP's harness
-// (which times it) agreed. An array, not a map: every call looks its shape up.
+// (which times it) agreed. The combine at 2 ranks took 768 threads once the sending block reduced
+// too (204.5 µs against 212.3 at 1024, bench/results/h200x2-2026-11-27-combine). An array, not a
+// map: every call looks its shape up.
 var shapes = [OpCombine + 1][8 + 1]Shape{ // by op, then ranks (1 to 8)
 	OpDispatch:        {2: {896, 4}, 4: {1024, 4}},
 	OpDispatchCounted: {2: {896, 4}},
-	OpCombine:         {2: {1024, 4}, 4: {512, 8}},
+	OpCombine:         {2: {768, 4}, 4: {512, 8}},
 }
 
 // ShapeFor is op's shape at ranks ranks: the table's, with threads and unroll in its place where
