@@ -194,3 +194,26 @@ def test_planned_call_with_bad_input_raises_and_next_call_works(group, device):
             assert n == {"DispatchPlanned": 3, "CombinePlanned": 2}, n
     finally:
         layer.buffer.destroy()
+
+
+def test_planned_call_elsewhere_names_the_device(group, device):
+    """The planned dispatch reads a tensor's device index, not its torch.device: x or topk_weights elsewhere (a meta
+    tensor; on cuda, one in host memory) still raises the usual ValueError naming the argument and the buffer's
+    device, and the next planned call works."""
+    layer = Layer(group, device, "plans-device")
+    try:
+        recv_x, _, recv_w, _, handle = layer.dispatch(layer.x)
+        layer.combine(recv_x, recv_w, handle)
+        places = ["meta"] + (["cpu"] if layer.x.is_cuda else [])
+        with counted("DispatchPlanned") as n:
+            for place in places:
+                for name, x, w in (("x", layer.x.to(place), layer.w), ("topk_weights", layer.x, layer.w.to(place))):
+                    with pytest.raises(ValueError, match=f"{name}: on {place}, expected {layer.x.device}"):
+                        layer.buffer.dispatch(x, topk_idx=layer.topk, topk_weights=w,
+                                              **layout_of(layer.buffer, layer.topk, layer.E))
+            calls = n["DispatchPlanned"]
+            recv_x, _, recv_w, _, handle = layer.dispatch(layer.x)
+            assert n["DispatchPlanned"] == calls + 1, "the next dispatch ran planned"
+            layer.combine(recv_x, recv_w, handle)
+    finally:
+        layer.buffer.destroy()

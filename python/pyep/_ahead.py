@@ -168,24 +168,29 @@ class Ahead:
         if ((type(x) is tuple) is not fp8 or (type(self).num_sms, tuning.generation) != key
                 or (_current_stream(self._device_index) if self._cuda else 0) != stream):
             return None
-        try:  # the descriptions of _desc2, read in place: anything unusual takes the call's usual path
+        # The descriptions of _desc2, read in place (a device's code looked up only when it is not the buffer's: its
+        # index is cheaper to read); anything unusual takes the call's usual path.
+        di, dv = self._device_index, self._device_code
+        try:
             if fp8:
                 x, scales = x
                 s0, xS = scales.shape
                 ss0, ss1 = scales.stride()
-                sp, st, sv, sn = scales.data_ptr(), _DT[scales.dtype], _DV[scales.device], 2
+                sp, st, sn = scales.data_ptr(), _DT[scales.dtype], 2
+                sv = dv if scales.get_device() == di else _DV[scales.device]
             else:
                 scales, (sp, st, sv, sn, s0, xS, ss0, ss1) = None, _NONE
             xT, H = x.shape
             xs0, xs1 = x.stride()
-            xp, xt, xv = x.data_ptr(), _DT[x.dtype], _DV[x.device]
+            xp, xt, xv = x.data_ptr(), _DT[x.dtype], dv if x.get_device() == di else _DV[x.device]
             w0, K = topk_weights.shape
             ws0, ws1 = topk_weights.stride()
-            wp, wt, wv = topk_weights.data_ptr(), _DT[topk_weights.dtype], _DV[topk_weights.device]
+            wp, wt = topk_weights.data_ptr(), _DT[topk_weights.dtype]
+            wv = dv if topk_weights.get_device() == di else _DV[topk_weights.device]
         except (AttributeError, TypeError, ValueError):
             return None
-        if H * _ITEMSIZE.get(xt, 1) != row_bytes or xS != S:
-            return None
+        if H * _ITEMSIZE.get(xt, 1) != row_bytes or xS != S or not (xp and wp and (sp or not fp8)):
+            return None  # no data (a meta tensor, or none to send): the usual path says what is wrong
         rb, self._rows_ahead = self._rows_ahead[0], None
         try:
             n = _go.DispatchPlanned(self._rid, num, expert_alignment, xp, xt, xv, 2, xT, H, xs0, xs1,

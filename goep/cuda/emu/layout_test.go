@@ -15,16 +15,27 @@ import (
 )
 
 // The layout kernel against goep/normal's layout over shapes that take each of its paths: no
-// tokens, several blocks (the emulator's blocks are 64 threads), more choices than it loads at
-// once, rows written four bytes at a time and one at a time, more ranks than a token's rank mask
-// holds, more experts than its shared counts hold. Each shape runs twice, then a smaller one, on
-// one engine: every layout must leave its workspace zero for the next.
+// tokens, tokens for every thread of the cluster and more (the emulator's blocks are 64 threads, 8
+// of them), more choices than it loads at once, rows written four bytes at a time and one at a
+// time, more ranks than a token's rank mask holds, more experts than its shared counts hold (those
+// two counted in the outputs, which the kernel zeroes: the second round's start as garbage). Each
+// shape runs twice on one engine; with PYEP_EMU_RESIDENT_BLOCKS=1 too, which a cluster's blocks
+// are exempt from, as on a GPU.
 func TestEmulatedLayoutShapes(t *testing.T) {
+	t.Run("all_resident", func(t *testing.T) { layoutShapes(t) })
+	t.Run("resident_1", func(t *testing.T) {
+		t.Setenv("PYEP_EMU_RESIDENT_BLOCKS", "1")
+		layoutShapes(t)
+	})
+}
+
+func layoutShapes(t *testing.T) {
 	envs := newDomain(t, 1, 8<<20)
 	e := envs[0]
 	rng := rand.New(rand.NewPCG(7, 11))
 	for _, s := range []struct{ T, K, E, R int }{
 		{0, 4, 8, 2}, {1, 1, 1, 1}, {200, 9, 24, 3}, {70, 8, 16, 8}, {150, 6, 144, 72}, {100, 6, 4100, 2}, {65, 2, 4, 4},
+		{1100, 4, 32, 4},
 	} {
 		t.Run(fmt.Sprintf("T%d_K%d_E%d_R%d", s.T, s.K, s.E, s.R), func(t *testing.T) {
 			topk := make([]int64, s.T*s.K)
@@ -37,6 +48,11 @@ func TestEmulatedLayoutShapes(t *testing.T) {
 			for round := range 2 {
 				dRank, dExpert := e.alloc(t, dlpack.I32, int64(s.R)), e.alloc(t, dlpack.I32, int64(s.E))
 				dIn := e.alloc(t, dlpack.BoolT, int64(s.T), int64(s.R))
+				for _, b := range [][]byte{dRank.b, dExpert.b, dIn.b} {
+					for i := range b {
+						b[i] = byte(0x5a * round)
+					}
+				}
 				require.NoError(t, e.normal().Layout(&goep.LayoutOp{NumExperts: s.E, NumRanks: s.R, TopkIdx: dTopk.t,
 					PerRank: dRank.t, PerExpert: dExpert.t, InRank: dIn.t}))
 				require.Equal(t, perRank, i32s(dRank.b), "round %d: num_tokens_per_rank", round)
