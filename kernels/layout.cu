@@ -3,18 +3,18 @@
 //   num_tokens_per_rank [R]   tokens with at least one expert on rank r
 //   num_tokens_per_expert [E] (token, choice) pairs choosing expert e
 //   is_token_in_rank [T, R]   token t goes to rank r
-// and the first out-of-range index. The host does not wait for this kernel: the cluster's first block records
+// and the first out-of-range index. The host does not wait for this kernel: the last block records
 // a bad index, with the call's tag, in host-mapped memory that the next notify reads, so that the
 // dispatch after the layout fails on every rank (see NotifyParams.layout_rec in intranode.cu).
 //
-// One pass, a token a thread, in one thread block cluster (sm_90; params.h's PYEP_LAYOUT_CLUSTER
-// blocks, the whole grid): every thread loads its token's K indices at once (one memory latency,
-// not one a choice), writes the token's row of is_token_in_rank and counts its ranks and experts
-// in its block's shared memory. After a cluster barrier the cluster's threads sum each count over
-// the cluster's blocks (distributed shared memory) and write them out: no workspace, no atomics
-// in global memory, no last block. More experts than kSharedExperts, or ranks than kMaskRanks, are
-// counted in the outputs directly, which the cluster zeroes first. Before sm_90 (no clusters) the
-// first block does it all and the others leave.
+// One pass, a token a thread: every thread loads its token's K indices at once (one memory
+// latency, not one a choice), writes the token's row of is_token_in_rank and counts its ranks and
+// experts in shared memory. Each block then adds its counts to the engine's workspace (device
+// memory, zero between calls; params.h's pyep_layout_work) and takes a ticket; the block that
+// takes the last one writes the outputs from the workspace and zeroes it for the next call. The
+// buffer's kernels never overlap (goep/cuda/normal/order.go), so one workspace serves every call.
+// More experts than kSharedExperts, or ranks than kMaskRanks, are counted in the workspace
+// directly.
 //
 // pyep:defines PYEP_LAYOUT_THREADS=512
 // pyep:defines PYEP_LAYOUT_THREADS=128 PYEP_LAYOUT_SHARED_EXPERTS=64
@@ -43,14 +43,7 @@ constexpr int kStagedTopk = 8;   // indices loaded together
 constexpr i64 kNoBad = 0x7fffffffffffffffll;
 
 typedef pyep_layout_params LayoutParams;  // params.h
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-constexpr int kLayoutCluster = 1;  // no clusters (utils.cuh's cluster_sync is __syncthreads)
-#define PYEP_LAYOUT_CLUSTER_DIMS
-#else
-constexpr int kLayoutCluster = PYEP_LAYOUT_CLUSTER;  // the grid, one cluster
-#define PYEP_LAYOUT_CLUSTER_DIMS __cluster_dims__(PYEP_LAYOUT_CLUSTER, 1, 1)
-#endif
+typedef pyep_layout_work LayoutWork;
 
 // Writes a row of R <= kMaskRanks bytes, byte r = bit r of mask: four at a time where aligned.
 PYEP_DEVICE void write_row(u8* out, i32 R, u64 mask) {
@@ -64,36 +57,27 @@ PYEP_DEVICE void write_row(u8* out, i32 R, u64 mask) {
     for (i32 r = 0; r < R; r++) out[r] = static_cast<u8>(mask >> r & 1u);
 }
 
-extern "C" __global__ void PYEP_LAYOUT_CLUSTER_DIMS __launch_bounds__(kLayoutThreads, 1) pyep_layout(const LayoutParams p) {
+extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1) pyep_layout(const LayoutParams p) {
     const int tid = static_cast<int>(threadIdx.x);
-    const u32 me = blockIdx.x;  // the grid is one cluster: a block's rank in it
-    if (me >= static_cast<u32>(kLayoutCluster)) return;  // before sm_90
     const i32 T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;
     const i32 experts_per_rank = E / R;
     const i64* topk = reinterpret_cast<const i64*>(p.topk);
     u8* in_rank = reinterpret_cast<u8*>(p.in_rank);
-    i32* per_rank = reinterpret_cast<i32*>(p.per_rank);
-    i32* per_expert = reinterpret_cast<i32*>(p.per_expert);
+    LayoutWork* work = reinterpret_cast<LayoutWork*>(p.work);
+    i32* acc = reinterpret_cast<i32*>(work + 1);  // [R] tokens per rank, then [E] per expert
     PYEP_SHARED(i32, s_rank, kMaskRanks);
     PYEP_SHARED(i32, s_expert, kSharedExperts);
-    PYEP_SHARED(u64, s_bad, 1);  // the complement of the block's smallest bad flat index (0: none)
+    PYEP_SHARED(i32, s_last, 1);
     const bool mask_ranks = R <= kMaskRanks, shared_experts = E <= kSharedExperts;
-    const int threads = kLayoutCluster * kLayoutThreads, ct = static_cast<int>(me) * kLayoutThreads + tid;
     for (int i = tid; i < kMaskRanks; i += kLayoutThreads) s_rank[i] = 0;
     for (int i = tid; shared_experts && i < E; i += kLayoutThreads) s_expert[i] = 0;
-    if (tid == 0) s_bad[0] = 0;
-    // Counts that shared memory cannot hold go straight to the outputs, which the cluster zeroes first.
-    for (int i = ct; !mask_ranks && i < R; i += threads) per_rank[i] = 0;
-    for (int i = ct; !shared_experts && i < E; i += threads) per_expert[i] = 0;
-    if (mask_ranks && shared_experts)
-        __syncthreads();
-    else
-        cluster_sync();
-    i32* rank_count = mask_ranks ? s_rank : per_rank;
-    i32* expert_count = shared_experts ? s_expert : per_expert;
+    __syncthreads();
+    i32* rank_count = mask_ranks ? s_rank : acc;
+    i32* expert_count = shared_experts ? s_expert : acc + R;
 
     i64 bad = kNoBad;
-    for (i64 t = ct; t < T; t += threads) {
+    const i64 stride = static_cast<i64>(gridDim.x) * kLayoutThreads;
+    for (i64 t = static_cast<i64>(blockIdx.x) * kLayoutThreads + tid; t < T; t += stride) {
         const i64* row = topk + t * K;
         u8* out = in_rank + t * R;
         if (!mask_ranks)
@@ -124,21 +108,25 @@ extern "C" __global__ void PYEP_LAYOUT_CLUSTER_DIMS __launch_bounds__(kLayoutThr
         }
     }
     // The smallest bad flat index, as its complement: the largest wins, and 0 (none) loses.
-    if (bad != kNoBad) atomicMax(s_bad, ~static_cast<u64>(bad));
+    if (bad != kNoBad) atomicMax(&work->bad, ~static_cast<u64>(bad));
+    __syncthreads();
+    for (int i = tid; mask_ranks && i < R; i += kLayoutThreads)
+        if (s_rank[i] != 0) atomicAdd(acc + i, s_rank[i]);
+    for (int i = tid; shared_experts && i < E; i += kLayoutThreads)
+        if (s_expert[i] != 0) atomicAdd(acc + R + i, s_expert[i]);
+    fence_acq_rel_gpu();  // this thread's sums before the block's ticket
+    __syncthreads();
+    if (tid == 0) s_last[0] = atomicAdd(&work->ticket, 1u) == gridDim.x - 1 ? 1 : 0;
+    __syncthreads();
+    if (s_last[0] == 0) return;
 
-    // Every block's counts are in its shared memory: the cluster's threads sum them over its blocks, a count each.
-    cluster_sync();
-    for (int i = ct; i < R + E; i += threads) {
-        const bool rank = i < R;
-        if (rank ? !mask_ranks : !shared_experts) continue;
-        const i32* mine = rank ? s_rank + i : s_expert + (i - R);
-        i32 sum = 0;
-        for (u32 b = 0; b < kLayoutCluster; b++) sum += *cluster_map(mine, b);
-        *(rank ? per_rank + i : per_expert + (i - R)) = sum;
-    }
-    if (ct == 0) {
-        u64 b = 0;
-        for (u32 k = 0; k < kLayoutCluster; k++) b = max(b, *cluster_map(static_cast<const u64*>(s_bad), k));
+    // The last block: every block's sums are in; take them and leave zeros.
+    fence_acq_rel_gpu();
+    for (int i = tid; i < R; i += kLayoutThreads) reinterpret_cast<i32*>(p.per_rank)[i] = atomicExch(acc + i, 0);
+    for (int i = tid; i < E; i += kLayoutThreads) reinterpret_cast<i32*>(p.per_expert)[i] = atomicExch(acc + R + i, 0);
+    if (tid == 0) {
+        atomicExch(&work->ticket, 0u);
+        const u64 b = atomicExch(&work->bad, 0ull);
         if (b != 0) {
             // Calls are ordered on one stream: no other kernel writes the record meanwhile.
             const i64 first = static_cast<i64>(~b);
@@ -148,7 +136,6 @@ extern "C" __global__ void PYEP_LAYOUT_CLUSTER_DIMS __launch_bounds__(kLayoutThr
             st_release_sys(res, p.tag);
         }
     }
-    cluster_sync();  // a block's shared memory stays until every block has read it
 }
 
 }  // namespace pyep

@@ -93,8 +93,7 @@ struct pyep_combine_params {
     pyep_i32 num_tokens, num_rows, pad0, pad1;
 };
 
-// layout.cu's get_dispatch_layout: one thread block cluster of PYEP_LAYOUT_CLUSTER blocks.
-#define PYEP_LAYOUT_CLUSTER 8
+// layout.cu's get_dispatch_layout.
 struct pyep_layout_params {
     pyep_u64 topk;        // i64 [T, K]
     pyep_u64 per_rank;    // out i32 [R]
@@ -102,7 +101,16 @@ struct pyep_layout_params {
     pyep_u64 in_rank;     // out bool [T, R]
     pyep_u64 result;      // host-mapped u64 [3], written only on a bad index: tag, token << 32 | choice, value
     pyep_u64 tag;
+    pyep_u64 work;        // the engine's pyep_layout_work, then i32 [R + E]: zero between calls
     pyep_i32 num_tokens, num_topk, num_experts, num_ranks;
+};
+
+// layout.cu's workspace (device memory), followed by the blocks' summed counts, i32 [R + E]:
+// the blocks that have added theirs, and the complement of the smallest bad flat index (0: none).
+// The last block leaves it all zero.
+struct pyep_layout_work {
+    pyep_u32 ticket, pad;
+    pyep_u64 bad;
 };
 
 // ---- the device protocol (protocol.cuh's OpError) ----------------------------------------
@@ -240,7 +248,8 @@ PYEP_ABI_SIZE(struct pyep_notify_result, 56);
 PYEP_ABI_SIZE(struct pyep_dispatch_params, 360);
 PYEP_ABI_SIZE(struct pyep_notify_dispatch_params, 672);
 PYEP_ABI_SIZE(struct pyep_combine_params, 304);
-PYEP_ABI_SIZE(struct pyep_layout_params, 64);
+PYEP_ABI_SIZE(struct pyep_layout_params, 72);
+PYEP_ABI_SIZE(struct pyep_layout_work, 16);
 PYEP_ABI_SIZE(struct pyep_op_error, 64);
 PYEP_ABI_SIZE(struct pyep_ll_params, 288);
 PYEP_ABI_SIZE(struct pyep_ll_error, 32);

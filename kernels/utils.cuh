@@ -365,24 +365,6 @@ PYEP_DEVICE void red_add_release_cta(i32* p, i32 v) {
     asm volatile("red.release.cta.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Thread block clusters (sm_90): a barrier over every thread of the cluster's blocks, releasing
-// what each wrote before it (shared memory and global) to every thread after it; and a variable of
-// this block's shared memory at the same place in block `rank` of the cluster (distributed shared
-// memory, read with ordinary loads between two cluster_sync). Before sm_90 a cluster is one block.
-#if __CUDA_ARCH__ >= 900
-PYEP_DEVICE void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-template <typename T> PYEP_DEVICE const T* cluster_map(const T* p, u32 rank) {
-    u64 q;
-    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(q) : "l"(reinterpret_cast<u64>(p)), "r"(rank));
-    return reinterpret_cast<const T*>(q);
-}
-#else
-PYEP_DEVICE void cluster_sync() { __syncthreads(); }
-template <typename T> PYEP_DEVICE const T* cluster_map(const T* p, u32) { return p; }
-#endif
-
 // Orders everything this thread observed or wrote before it (cumulatively: also what other
 // threads released to it) before its later writes, for every observer in the system.
 PYEP_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }

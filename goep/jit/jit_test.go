@@ -409,19 +409,3 @@ func TestCompileError(t *testing.T) {
 	require.ErrorAs(t, err, &ce)
 	assert.Contains(t, err.Error(), "no-such-flag")
 }
-
-// The layout kernel runs in a thread block cluster from sm_90 on; before, in one block (utils.cuh's
-// cluster_sync is __syncthreads there): it compiles for both.
-func TestCompileLayoutBeforeClusters(t *testing.T) {
-	nv := requireNVRTC(t)
-	src, err := Kernel("layout.cu")
-	require.NoError(t, err)
-	for _, arch := range []string{"sm_80", "sm_90"} {
-		flags, err := Options{Arch: arch}.nvrtcOptions()
-		require.NoError(t, err)
-		cubin, log, err := nv.Compile(src.Name, src.Text, src.Headers, flags, false)
-		require.NoError(t, err, arch)
-		assert.True(t, bytes.HasPrefix(cubin, []byte("\x7fELF")), arch)
-		assert.Empty(t, strings.TrimSpace(log), "%s: no warnings", arch)
-	}
-}

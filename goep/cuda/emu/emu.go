@@ -169,9 +169,8 @@ func build(file string, defines map[string]string) (*library, error) {
 	return l, nil
 }
 
-// entryRE finds a kernel file's entry points: extern "C" __global__ void, then any of
-// __launch_bounds__(...), __cluster_dims__(...) and PYEP_ macros (one expanding to either), name(.
-var entryRE = regexp.MustCompile(`(?m)^[ \t]*extern[ \t]+"C"[ \t]+__global__[ \t]+void[ \t]+(?:(?:__launch_bounds__\([^)]*\)|__cluster_dims__\([^)]*\)|PYEP_[A-Z0-9_]+)[ \t]+)*([A-Za-z_][A-Za-z0-9_]*)[ \t]*\(`)
+// entryRE finds a kernel file's entry points: extern "C" __global__ void [__launch_bounds__(...)] name(.
+var entryRE = regexp.MustCompile(`(?m)^[ \t]*extern[ \t]+"C"[ \t]+__global__[ \t]+void[ \t]+(?:__launch_bounds__\([^)]*\)[ \t]+)?([A-Za-z_][A-Za-z0-9_]*)[ \t]*\(`)
 
 // wrap is the translation unit that the host compiler builds for file: the kernel source under
 // PYEP_EMU (so it includes emu.h instead of utils.cuh), the launcher, and emu_kernel, which

@@ -9,7 +9,6 @@
 
 #include <sched.h>
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -22,7 +21,6 @@
 #define PYEP_DEVICE static inline
 #define __global__
 #define __launch_bounds__(...)
-#define __cluster_dims__(...)
 #define PYEP_SHARED(T, name, n) T* name = ::emu::shared<T>(#name, (n))
 
 struct int4 {
@@ -75,7 +73,6 @@ struct Warp {
 struct Block {
     std::mutex m;
     std::map<std::string, void*> shared;
-    std::map<std::string, size_t> shared_bytes;
     Barrier named[16];
     Warp* warps;
     int threads;
@@ -92,15 +89,10 @@ struct Put {
     size_t n;
 };
 
-// What the threads of one launch share: the puts recorded so far, by destination PE; its blocks and
-// the barrier of its one cluster (a kernel with __cluster_dims__ is launched as a single cluster).
+// What the threads of one launch share: the puts recorded so far, by destination PE.
 struct Launch {
     std::mutex m;
     std::map<int, std::vector<Put>> puts;
-    std::vector<Block*> blocks;
-    Barrier cluster;
-    int threads = 0;
-    std::atomic<bool> clustered{false};  // a thread reached cluster_sync: every block must be resident
 };
 
 struct Thread {
@@ -119,36 +111,8 @@ T* shared(const char* name, size_t n) {
     if (p == nullptr) {
         p = malloc(n * sizeof(T) + 16);
         memset(p, 0xab, n * sizeof(T) + 16);  // shared memory starts as garbage
-        b->shared_bytes[name] = n * sizeof(T);
     }
     return static_cast<T*>(p);
-}
-
-// The shared variable at p (in this block's shared memory) in block `rank` of the cluster: the
-// same name and offset there. Null when p is not this block's shared memory or the other block
-// has not declared the variable yet (a kernel reads another block's only after a cluster_sync).
-inline const void* cluster_map(const void* p, unsigned rank) {
-    std::string name;
-    size_t offset = 0;
-    bool found = false;
-    {
-        std::lock_guard<std::mutex> l(self.b->m);
-        for (auto& kv : self.b->shared) {
-            const char* base = static_cast<const char*>(kv.second);
-            const char* q = static_cast<const char*>(p);
-            if (q >= base && q < base + self.b->shared_bytes[kv.first]) {
-                name = kv.first;
-                offset = static_cast<size_t>(q - base);
-                found = true;
-                break;
-            }
-        }
-    }
-    if (!found || rank >= self.launch->blocks.size()) return nullptr;
-    Block* other = self.launch->blocks[rank];
-    std::lock_guard<std::mutex> l(other->m);
-    auto it = other->shared.find(name);
-    return it == other->shared.end() ? nullptr : static_cast<const char*>(it->second) + offset;
 }
 
 inline Warp& warp() { return self.b->warps[self.thread.x / 32]; }
@@ -381,16 +345,6 @@ PYEP_DEVICE void fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); 
 PYEP_DEVICE void fence_acq_rel_gpu() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 PYEP_DEVICE i32 atomic_add_acq_rel_gpu(i32* p, i32 v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
 PYEP_DEVICE void spin_pause() { sched_yield(); }
-// A cluster's blocks run together on a GPU: the first cluster_sync of a launch lifts
-// PYEP_EMU_RESIDENT_BLOCKS for the rest of it (launch.h).
-PYEP_DEVICE void cluster_sync() {
-    ::emu::self.launch->clustered.store(true);
-    ::emu::self.launch->cluster.wait(::emu::self.launch->threads);
-}
-template <typename T>
-PYEP_DEVICE const T* cluster_map(const T* p, u32 rank) {
-    return static_cast<const T*>(::emu::cluster_map(p, rank));
-}
 PYEP_DEVICE u64 atomic_cas_sys(u64* p, u64 expected, u64 desired) {
     __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     return expected;

@@ -5,13 +5,11 @@
 //
 // PYEP_EMU_RESIDENT_BLOCKS=n (n > 0) lets at most n blocks of a launch run at once, started in
 // block order as earlier ones end: a GPU, or an MPS client's share of one, with room for fewer
-// blocks than the grid. Unset or 0: every block at once. A launch of a cluster kernel (one that
-// reaches cluster_sync) gets every block, as a GPU co-schedules a cluster's.
+// blocks than the grid. Unset or 0: every block at once.
 #pragma once
 #include <pthread.h>
 
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -99,9 +97,7 @@ extern "C" __attribute__((visibility("default"))) int emu_launch(const emu::Kern
         blocks.emplace_back(new emu::Block());
         blocks.back()->threads = static_cast<int>(block);
         blocks.back()->warps = new emu::Warp[(block + 31) / 32];
-        launch.blocks.push_back(blocks.back().get());
     }
-    launch.threads = static_cast<int>(grid * block);
     std::vector<emu::Start> starts(static_cast<size_t>(grid) * block);
     std::vector<pthread_t> threads(starts.size());
     std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[grid]);
@@ -116,8 +112,7 @@ extern "C" __attribute__((visibility("default"))) int emu_launch(const emu::Kern
         left[b].store(static_cast<int>(block));
         {
             std::unique_lock<std::mutex> l(res.m);
-            while (resident > 0 && res.running >= resident && !launch.clustered.load())
-                res.cv.wait_for(l, std::chrono::milliseconds(1));
+            if (resident > 0) res.cv.wait(l, [&] { return res.running < resident; });
             res.running++;
         }
         for (unsigned t = 0; t < block; t++) {

@@ -15,12 +15,12 @@ import (
 )
 
 // The layout kernel against goep/normal's layout over shapes that take each of its paths: no
-// tokens, tokens for every thread of the cluster and more (the emulator's blocks are 64 threads, 8
-// of them), more choices than it loads at once, rows written four bytes at a time and one at a
-// time, more ranks than a token's rank mask holds, more experts than its shared counts hold (those
-// two counted in the outputs, which the kernel zeroes: the second round's start as garbage). Each
-// shape runs twice on one engine; with PYEP_EMU_RESIDENT_BLOCKS=1 too, which a cluster's blocks
-// are exempt from, as on a GPU.
+// tokens, several blocks (the emulator's blocks are 64 threads), more choices than it loads at
+// once, rows written four bytes at a time and one at a time, more ranks than a token's rank mask
+// holds, more experts than its shared counts hold. Each shape runs twice on one engine, the second
+// time into outputs that start as garbage: every layout must leave its workspace zero for the
+// next and write every output. With PYEP_EMU_RESIDENT_BLOCKS=1 too: the blocks, one at a time,
+// need none of the others to run at once.
 func TestEmulatedLayoutShapes(t *testing.T) {
 	t.Run("all_resident", func(t *testing.T) { layoutShapes(t) })
 	t.Run("resident_1", func(t *testing.T) {

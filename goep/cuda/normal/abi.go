@@ -41,5 +41,5 @@ func opErrorCode(r *opError) *uint32 { return (*uint32)(unsafe.Pointer(&r.code))
 
 const opErrorBytes = int(unsafe.Sizeof(opError{}))
 
-// layoutCluster is the layout kernel's grid: one thread block cluster (params.h).
-const layoutCluster = C.PYEP_LAYOUT_CLUSTER
+// layoutWorkBytes is the layout workspace's header (params.h's pyep_layout_work), before its counts.
+const layoutWorkBytes = int(unsafe.Sizeof(C.struct_pyep_layout_work{}))
