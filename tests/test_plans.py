@@ -197,9 +197,9 @@ def test_planned_call_with_bad_input_raises_and_next_call_works(group, device):
 
 
 def test_planned_call_elsewhere_names_the_device(group, device):
-    """The planned dispatch reads a tensor's device index, not its torch.device: x or topk_weights elsewhere (a meta
-    tensor; on cuda, one in host memory) still raises the usual ValueError naming the argument and the buffer's
-    device, and the next planned call works."""
+    """The planned dispatch and combine read a tensor's device index, not its torch.device: x or topk_weights
+    elsewhere (a meta tensor; on cuda, one in host memory) still raises the usual ValueError naming the argument and
+    the buffer's device, and the next planned call works."""
     layer = Layer(group, device, "plans-device")
     try:
         recv_x, _, recv_w, _, handle = layer.dispatch(layer.x)
@@ -214,6 +214,17 @@ def test_planned_call_elsewhere_names_the_device(group, device):
             calls = n["DispatchPlanned"]
             recv_x, _, recv_w, _, handle = layer.dispatch(layer.x)
             assert n["DispatchPlanned"] == calls + 1, "the next dispatch ran planned"
+        with counted("CombinePlanned") as n:  # the combine that dispatch planned, likewise
+            y = expert_output(recv_x, layer.me)
+            for place in places:
+                for name, x, w in (("x", y.to(place), recv_w), ("topk_weights", y, recv_w.to(place))):
+                    with pytest.raises(ValueError, match=f"{name}: on {place}, expected {layer.x.device}"):
+                        layer.buffer.combine(x, handle, topk_weights=w)
             layer.combine(recv_x, recv_w, handle)
+            recv_x, _, recv_w, _, handle = layer.dispatch(layer.x)
+            layer.combine(recv_x, recv_w, handle)
+            # The first bad call's usual path let the plan go: the right combine after it ran unplanned, the next
+            # layer's planned.
+            assert n["CombinePlanned"] == 1, n
     finally:
         layer.buffer.destroy()

@@ -243,18 +243,22 @@ class Ahead:
     def _combine_planned(self, ahead: tuple, x, topk_weights):
         """The combine that `ahead` planned (see _plan_combine), when x, the weights and the stream are the ones it
         was planned for; else None (the outputs ahead stay, for the call's usual path to take or let go)."""
-        try:  # the descriptions of _desc2, read in place: anything unusual takes the call's usual path
+        di, dv = self._device_index, self._device_code  # as in _dispatch_planned
+        try:
             x0, H = x.shape
             xs0, xs1 = x.stride()
-            xp, xt, xv = x.data_ptr(), _DT[x.dtype], _DV[x.device]
+            xp, xt, xv = x.data_ptr(), _DT[x.dtype], dv if x.get_device() == di else _DV[x.device]
             if topk_weights is None:
                 wp, wt, wv, wn, w0, K, ws0, ws1 = _NONE
             else:
                 w0, K = topk_weights.shape
                 ws0, ws1 = topk_weights.stride()
-                wp, wt, wv, wn = topk_weights.data_ptr(), _DT[topk_weights.dtype], _DV[topk_weights.device], 2
+                wp, wt, wn = topk_weights.data_ptr(), _DT[topk_weights.dtype], 2
+                wv = dv if topk_weights.get_device() == di else _DV[topk_weights.device]
         except (AttributeError, TypeError, ValueError):
             return None
+        if not (xp and (wp or topk_weights is None)):
+            return None  # no data: the usual path says what is wrong
         stream = _current_stream(self._device_index) if self._cuda else 0
         if ((H, xt, 0 if topk_weights is None else K, stream) != ahead[5]
                 or (type(self).num_sms, tuning.generation) != ahead[6] or (self._cuda and _capturing())):
