@@ -19,7 +19,7 @@ enum : i32 {
     kStatusPerExpert = 3,  // num_tokens_per_expert[d0] = d1 < 0
     kStatusPeer = 4,       // rank bad_rank has invalid arguments (peer_status, d0..d2)
     kStatusWorst = 5,      // num_worst_tokens too small: rank bad_rank receives d0
-    kStatusLayout = 6,     // get_dispatch_layout's topk_idx[d0, d1] = d2 out of range
+    kStatusLayout = 6,     // get_dispatch_layout's topk_idx[d0, d1] = d2 out of range (d0 0xffffffff: it timed out)
 };
 
 // Scratch block of one sender in a receiver's region: i64 status[4], i32 per_rank[R],

@@ -100,17 +100,18 @@ struct pyep_layout_params {
     pyep_u64 per_expert;  // out i32 [E]
     pyep_u64 in_rank;     // out bool [T, R]
     pyep_u64 result;      // host-mapped u64 [3], written only on a bad index: tag, token << 32 | choice, value
-    pyep_u64 tag;
-    pyep_u64 work;        // the engine's pyep_layout_work, then i32 [R + E]: zero between calls
+    pyep_u64 tag;         // this call's, never 0 (a graph's replays repeat it)
+    pyep_u64 work;        // the engine's pyep_layout_work
+    pyep_u64 timeout_ns;  // bound of the wait for block 0
     pyep_i32 num_tokens, num_topk, num_experts, num_ranks;
 };
 
-// layout.cu's workspace (device memory), followed by the blocks' summed counts, i32 [R + E]:
-// the blocks that have added theirs, and the complement of the smallest bad flat index (0: none).
-// The last block leaves it all zero.
+// layout.cu's workspace (device memory, zero when made): the gate, tag << 32 | the blocks yet to
+// pass it, opened by block 0 once the outputs are zero and left closed (a count of 0) by the last
+// block through; the lock of the bad-index record.
 struct pyep_layout_work {
-    pyep_u32 ticket, pad;
-    pyep_u64 bad;
+    pyep_u64 gate;
+    pyep_u32 lock, pad;
 };
 
 // ---- the device protocol (protocol.cuh's OpError) ----------------------------------------
@@ -248,7 +249,7 @@ PYEP_ABI_SIZE(struct pyep_notify_result, 56);
 PYEP_ABI_SIZE(struct pyep_dispatch_params, 360);
 PYEP_ABI_SIZE(struct pyep_notify_dispatch_params, 672);
 PYEP_ABI_SIZE(struct pyep_combine_params, 304);
-PYEP_ABI_SIZE(struct pyep_layout_params, 72);
+PYEP_ABI_SIZE(struct pyep_layout_params, 80);
 PYEP_ABI_SIZE(struct pyep_layout_work, 16);
 PYEP_ABI_SIZE(struct pyep_op_error, 64);
 PYEP_ABI_SIZE(struct pyep_ll_params, 288);

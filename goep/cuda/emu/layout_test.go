@@ -18,9 +18,9 @@ import (
 // tokens, several blocks (the emulator's blocks are 64 threads), more choices than it loads at
 // once, rows written four bytes at a time and one at a time, more ranks than a token's rank mask
 // holds, more experts than its shared counts hold. Each shape runs twice on one engine, the second
-// time into outputs that start as garbage: every layout must leave its workspace zero for the
-// next and write every output. With PYEP_EMU_RESIDENT_BLOCKS=1 too: the blocks, one at a time,
-// need none of the others to run at once.
+// time into outputs that start as garbage: every layout must leave its gate closed for the next
+// and write every output. With PYEP_EMU_RESIDENT_BLOCKS=1 too: the blocks, one at a time, need
+// none of the others to run at once (they wait only for block 0).
 func TestEmulatedLayoutShapes(t *testing.T) {
 	t.Run("all_resident", func(t *testing.T) { layoutShapes(t) })
 	t.Run("resident_1", func(t *testing.T) {

@@ -138,6 +138,31 @@ func TestEmulatedErrors(t *testing.T) {
 	assert.Contains(t, errs[1].Error(), "rank 0 has invalid arguments")
 	runCase(t, envs, c)
 
+	// Bad indices in three of a layout's five blocks (the emulator's are 64 threads), one block at
+	// a time too: each block records its first unless an earlier one is recorded, so the record
+	// is the first in topk_idx's order whichever block comes last.
+	for _, resident := range []string{"", "1"} {
+		t.Setenv("PYEP_EMU_RESIDENT_BLOCKS", resident)
+		idx := make([]int64, 300*c.K)
+		for i := range idx {
+			idx[i] = int64(i % c.E)
+		}
+		idx[250*c.K+1], idx[130*c.K+3], idx[200*c.K] = 77, -5, 8
+		ops = notifyOps(t, envs, c)
+		many := envs[0].upload(t, dlpack.I64, bytesOf(idx), 300, int64(c.K))
+		require.NoError(t, envs[0].normal().Layout(&goep.LayoutOp{NumExperts: c.E, NumRanks: c.R, TopkIdx: many.t,
+			PerRank: envs[0].alloc(t, dlpack.I32, int64(c.R)).t, PerExpert: envs[0].alloc(t, dlpack.I32, int64(c.E)).t,
+			InRank: envs[0].alloc(t, dlpack.BoolT, 300, int64(c.R)).t}))
+		t.Setenv("PYEP_EMU_RESIDENT_BLOCKS", "") // the dispatch's blocks run at once
+		for _, op := range ops {
+			op.TopkIdx = dlpack.Tensor{}
+		}
+		errs = notifyAll(envs, ops)
+		require.Error(t, errs[0], "resident %q", resident)
+		assert.Contains(t, errs[0].Error(), "in its last get_dispatch_layout, topk_idx[130,3] = -5 is out of range [0, 8)")
+		runCase(t, envs, c)
+	}
+
 	// num_worst_tokens too small: the same error everywhere.
 	ops = notifyOps(t, envs, c)
 	for _, op := range ops {

@@ -41,5 +41,5 @@ func opErrorCode(r *opError) *uint32 { return (*uint32)(unsafe.Pointer(&r.code))
 
 const opErrorBytes = int(unsafe.Sizeof(opError{}))
 
-// layoutWorkBytes is the layout workspace's header (params.h's pyep_layout_work), before its counts.
+// layoutWorkBytes is the layout kernel's workspace (params.h's pyep_layout_work).
 const layoutWorkBytes = int(unsafe.Sizeof(C.struct_pyep_layout_work{}))

@@ -25,7 +25,7 @@ func TestParamLayouts(t *testing.T) {
 	assert.Less(t, unsafe.Sizeof(notifyDispatchParams{}), uintptr(4096))
 	assert.EqualValues(t, 296, unsafe.Offsetof(notifyParams{}.layout_rec))
 	assert.EqualValues(t, 304, unsafe.Sizeof(combineParams{}))
-	assert.EqualValues(t, 72, unsafe.Sizeof(layoutParams{}))
+	assert.EqualValues(t, 80, unsafe.Sizeof(layoutParams{}))
 	assert.EqualValues(t, 16, layoutWorkBytes)
 	assert.EqualValues(t, opErrorBytes, unsafe.Sizeof(opError{}))
 	assert.EqualValues(t, 56, notifyResultBytes)

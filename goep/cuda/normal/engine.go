@@ -70,11 +70,8 @@ type engine struct {
 	layoutHost unsafe.Pointer
 	layoutDev  driver.DevicePtr
 	layoutTag  uint64
-	// The layout kernel's workspace (device memory, room for layoutWorkCap counts) and the
-	// smaller ones it replaced, freed at Close.
-	layoutWork    driver.DevicePtr
-	layoutWorkCap int
-	layoutOld     []driver.DevicePtr
+	// The layout kernel's workspace (device memory), freed at Close.
+	layoutWork driver.DevicePtr
 
 	// Launch parameters, reused by every launch (a launch copies them), in an allocation of
 	// their own that holds no Go pointer, as cgo requires of memory a C call reaches.
@@ -139,12 +136,10 @@ func (e *engine) Close() error {
 		}
 	}
 	e.st.errHost, e.st.resHost, e.layoutHost = nil, nil, nil
-	for _, p := range append(e.layoutOld, e.layoutWork) {
-		if p != 0 {
-			errs = append(errs, b.Driver().MemFree(p))
-		}
+	if e.layoutWork != 0 {
+		errs = append(errs, b.Driver().MemFree(e.layoutWork))
 	}
-	e.layoutOld, e.layoutWork, e.layoutWorkCap = nil, 0, 0
+	e.layoutWork = 0
 	return errors.Join(errs...)
 }
 

@@ -121,6 +121,10 @@ func mismatchText(what, peer int32, a, b, c int64) string {
 	return fmt.Sprintf("an inconsistency (%d)", what)
 }
 
+// layoutGateTimedOut is the token of layout.cu's record when a block waited past the timeout for
+// block 0 (kGateTimedOut's upper half).
+const layoutGateTimedOut = 0xffffffff
+
 // statusError is rank's own invalid argument as notify found it.
 func statusError(status int32, rank int, d0, d1, d2 int64, numExperts int) error {
 	switch status {
@@ -131,6 +135,10 @@ func statusError(status int32, rank int, d0, d1, d2 int64, numExperts int) error
 	case 3:
 		return goep.Argf("dispatch: rank %d: num_tokens_per_expert[%d] = %d is out of range", rank, d0, d1)
 	case 6:
+		if d0 == layoutGateTimedOut {
+			return fmt.Errorf("dispatch: rank %d: its last get_dispatch_layout's blocks waited past the timeout for its "+
+				"block 0 (the GPU did not run it): its counts are not valid; call get_dispatch_layout again", rank)
+		}
 		return goep.Argf("dispatch: rank %d: in its last get_dispatch_layout, topk_idx[%d,%d] = %d is out of range [0, %d) "+
 			"(or -1 for no expert); on cuda the layout does not wait for the GPU, so the dispatch after it reports the index", rank, d0, d1, d2, numExperts)
 	}

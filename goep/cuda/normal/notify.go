@@ -37,14 +37,14 @@ func (e *engine) Layout(a *goep.LayoutOp) error {
 	if err := e.orderBefore(a.Order); err != nil {
 		return err
 	}
-	work, err := e.layoutWorkspace(int(R + E))
+	work, err := e.layoutWorkspace()
 	if err != nil {
 		return err
 	}
 	p := &e.params.layout
 	*p = layoutParams{topk: u64(ptr(a.TopkIdx)), per_rank: u64(ptr(a.PerRank)), per_expert: u64(ptr(a.PerExpert)),
 		in_rank: u64(ptr(a.InRank)), result: u64(uint64(e.layoutDev)), tag: u64(e.layoutTag + 1), work: u64(uint64(work)),
-		num_tokens: i32(T), num_topk: i32(K), num_experts: i32(E), num_ranks: i32(R)}
+		timeout_ns: u64(uint64(e.b.Timeout().Nanoseconds())), num_tokens: i32(T), num_topk: i32(K), num_experts: i32(E), num_ranks: i32(R)}
 	if err := e.launch(f, layoutGrid(int(T), int(threads)), uint32(threads), unsafe.Pointer(p)); err != nil {
 		return err
 	}
@@ -52,35 +52,28 @@ func (e *engine) Layout(a *goep.LayoutOp) error {
 	return e.orderAfter(a.Order)
 }
 
-// layoutGrid is the layout kernel's blocks: a token a thread, at least one block (the last block
-// writes the counts), at most maxLayoutBlocks (a block then takes several tokens a thread).
+// layoutGrid is the layout kernel's blocks: a token a thread, at least one block (block 0 zeroes
+// the counts), at most maxLayoutBlocks (a block then takes several tokens a thread).
 func layoutGrid(tokens, threads int) uint32 {
 	return uint32(min(max((tokens+threads-1)/threads, 1), maxLayoutBlocks))
 }
 
 const maxLayoutBlocks = 1024
 
-// layoutWorkspace is the layout kernel's workspace with room for counts i32s (layout.cu): device
-// memory that every layout leaves zero. A larger one is made zero on the call's stream (after
-// orderBefore); the one it replaces stays allocated until Close, as kernels queued before may
-// still use it.
-func (e *engine) layoutWorkspace(counts int) (driver.DevicePtr, error) {
-	if counts <= e.layoutWorkCap {
+// layoutWorkspace is the layout kernel's workspace (layout.cu's gate and lock), made zero on
+// the call's stream (after orderBefore) by the first layout.
+func (e *engine) layoutWorkspace() (driver.DevicePtr, error) {
+	if e.layoutWork != 0 {
 		return e.layoutWork, nil
 	}
-	n := max(counts, 1024)
-	bytes := layoutWorkBytes + 4*n
-	p, err := e.b.Driver().MemAlloc(bytes)
+	p, err := e.b.Driver().MemAlloc(layoutWorkBytes)
 	if err != nil {
-		return 0, fmt.Errorf("pyep: get_dispatch_layout's workspace (%d bytes): %w", bytes, err)
+		return 0, fmt.Errorf("pyep: get_dispatch_layout's workspace (%d bytes): %w", layoutWorkBytes, err)
 	}
-	if err := e.b.Driver().MemsetD8Async(p, 0, bytes, e.stream); err != nil {
+	if err := e.b.Driver().MemsetD8Async(p, 0, layoutWorkBytes, e.stream); err != nil {
 		return 0, errors.Join(err, e.b.Driver().MemFree(p))
 	}
-	if e.layoutWork != 0 {
-		e.layoutOld = append(e.layoutOld, e.layoutWork)
-	}
-	e.layoutWork, e.layoutWorkCap = p, n
+	e.layoutWork = p
 	return p, nil
 }
 
