@@ -61,13 +61,15 @@ PYEP_DEVICE void write_row(u8* out, i32 R, u64 mask) {
 }
 
 // Records, under the workspace's lock, `at` (token << 32 | choice, or kGateTimedOut, which no
-// index replaces) and `value` for the next notify, unless an earlier index of this call is recorded. Only blocks that found
-// something take the lock, and a holder is running: the wait is short.
+// index replaces) and `value` for the next notify, unless an earlier index of this call is
+// recorded. Only blocks that found something take the lock, and a holder is running: the wait
+// is short (bounded all the same).
 PYEP_DEVICE void record_bad(const LayoutParams& p, LayoutWork* work, u64 at, i64 value) {
     u64* res = reinterpret_cast<u64*>(p.result);
     const i32 K = p.num_topk;
-    while (atomicCAS(&work->lock, 0u, 1u) != 0u) {
-    }
+    const u64 start = globaltimer();
+    while (atomicCAS(&work->lock, 0u, 1u) != 0u)
+        if (globaltimer() - start > p.timeout_ns) return;
     fence_acq_rel_sys();
     const u64 had = ld_volatile(res + 1);
     if (ld_volatile(res) != p.tag || at == kGateTimedOut ||
@@ -81,7 +83,9 @@ PYEP_DEVICE void record_bad(const LayoutParams& p, LayoutWork* work, u64 at, i64
 }
 
 // Blocks other than 0: waits until block 0 has zeroed the outputs of this launch (the gate holds
-// this call's tag and the blocks not yet in), then takes its place. False past the timeout.
+// this call's tag and the blocks not yet in), then takes its place. False past the timeout (the
+// next dispatch then fails; a block that never came leaves the count above 0, which only a
+// replay of the same captured layout, with the same tag, would misread).
 PYEP_DEVICE bool pass_gate(const LayoutParams& p, LayoutWork* work) {
     const u64 start = globaltimer();
     for (;;) {

@@ -270,6 +270,13 @@ def test_bad_input_raises_and_next_call_works(group, device):
         bad = layout_dict(buffer.get_dispatch_layout(bad_layout, E))
         with pytest.raises(ValueError, match=rf"last get_dispatch_layout, topk_idx\[0,0\] = {E} is out of range"):
             buffer.dispatch(x, **bad)
+        # Bad indices in three of the layout kernel's blocks (512 tokens each): each block records its first unless
+        # an earlier one is recorded, so the first in topk_idx's order is reported whichever block comes last.
+        many = torch.zeros(2000, case.topk, dtype=topk.dtype, device=device)
+        many[1500, 2], many[700, 5], many[1200, 0] = E, -7, E + 3
+        xs = torch.zeros(2000, case.hidden, dtype=x.dtype, device=device)
+        with pytest.raises(ValueError, match=r"last get_dispatch_layout, topk_idx\[700,5\] = -7 is out of range"):
+            buffer.dispatch(xs, **layout_dict(buffer.get_dispatch_layout(many, E)))
     else:
         with pytest.raises(ValueError, match=rf"topk_idx\[\d+,\d+\] = {E} is out of range"):
             buffer.get_dispatch_layout(bad_layout, E)
