@@ -44,7 +44,7 @@ func (e *engine) Layout(a *goep.LayoutOp) error {
 	p := &e.params.layout
 	*p = layoutParams{topk: u64(ptr(a.TopkIdx)), per_rank: u64(ptr(a.PerRank)), per_expert: u64(ptr(a.PerExpert)),
 		in_rank: u64(ptr(a.InRank)), result: u64(uint64(e.layoutDev)), tag: u64(e.layoutTag + 1), work: u64(uint64(work)),
-		timeout_ns: u64(uint64(e.b.Timeout().Nanoseconds())), num_tokens: i32(T), num_topk: i32(K), num_experts: i32(E), num_ranks: i32(R)}
+		timeout_ns: u64(uint64(goep.OpTimeout().Nanoseconds())), num_tokens: i32(T), num_topk: i32(K), num_experts: i32(E), num_ranks: i32(R)}
 	if err := e.launch(f, layoutGrid(int(T), int(threads)), uint32(threads), unsafe.Pointer(p)); err != nil {
 		return err
 	}
