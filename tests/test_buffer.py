@@ -67,6 +67,45 @@ def test_go_panic_becomes_exception():
     assert pyep.Config().num_sms == 20
 
 
+def test_core_calls_take_the_fast_path(group, rank, num_ranks):
+    """The per-call exports are the core's METH_FASTCALL functions (pyep/fastcall_cpython.go), with gopy's errors:
+    a stale buffer, a wrong argument count, a non-integer; a call through them does what gopy's wrapper does."""
+    assert _core.go.fast
+    assert type(_core.go.Layout).__name__ == "builtin_function_or_method"
+    gopy = _core._go._core
+    with pytest.raises(RuntimeError, match="does not exist") as fast_err:
+        _core.go.Layout(-3, *(0,) * 15)
+    with pytest.raises(RuntimeError, match="does not exist") as gopy_err:
+        gopy.pyep_Layout(-3, *(0,) * 15)
+    assert str(fast_err.value) == str(gopy_err.value)
+    with pytest.raises(TypeError, match="Layout takes 16 arguments"):
+        try:
+            _core.go.Layout(1, 2, 3)
+        except RuntimeError as e:
+            raise _core.error(e) from None
+    with pytest.raises(TypeError, match="'float' object cannot be interpreted as an integer"):
+        _core.go.Layout(*(0,) * 15, 1.5)
+    with pytest.raises(OverflowError):
+        _core.go.Layout(*(0,) * 15, 1 << 70)
+    assert _core.go.LastEntryNs() >= gopy.pyep_LastEntryNs() > 0
+    buffer = pyep.Buffer(group, NVL_BYTES, explicitly_destroy=True)
+    try:
+        topk = torch.tensor([[0, num_ranks], [-1, 1]], dtype=torch.int64)
+        E = 2 * num_ranks
+        want = buffer.get_dispatch_layout(topk, E)
+        saved = _core.go.Layout
+        try:
+            _core.go.Layout = gopy.pyep_Layout
+            have = buffer.get_dispatch_layout(topk, E)
+        finally:
+            _core.go.Layout = saved
+        for a, b in zip(want[:4], have[:4]):
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert want[0].tolist() == ([2] if num_ranks == 1 else [2, 1] + [0] * (num_ranks - 2))
+    finally:
+        buffer.destroy()
+
+
 def test_attributes_and_runtime(group, rank, num_ranks):
     buffer = pyep.Buffer(group, NVL_BYTES)
     assert (buffer.rank, buffer.group_size, buffer.group) == (rank, num_ranks, group)

@@ -59,18 +59,43 @@ def _refuse(*args):
     raise PyepError(_FORKED)
 
 
+def _fast_calls():
+    """The core's METH_FASTCALL functions by name (pyep/fastcall_cpython.go): the integers are read from Python's
+    argument array, with no tuple, keyword list or format string, and the GIL released from C. Empty when the core
+    has none, or PYEP_FASTCALL=0 (gopy's wrappers then, for comparison)."""
+    if os.environ.get("PYEP_FASTCALL", "1") == "0":
+        return {}
+    defs = _go._core.pyep_FastCalls()
+    if not defs:
+        return {}
+    import ctypes
+    new = ctypes.pythonapi.PyCFunction_NewEx
+    new.argtypes, new.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], ctypes.py_object
+    name_at = ctypes.c_char_p
+    size = 4 * ctypes.sizeof(ctypes.c_void_p)  # PyMethodDef: name, function, flags (padded), doc
+    calls = {}
+    while True:
+        name = name_at.from_address(defs).value
+        if name is None:
+            return calls
+        calls[name.decode()] = new(defs, None, None)
+        defs += size
+
+
 class _Exports:
-    """The exports that every normal-mode and low-latency call makes, bound to gopy's C functions: a call costs no
-    lookup and no Python wrapper. They raise RuntimeError with the core's message; `error` turns it into the Python
-    exception."""
+    """The exports that every normal-mode and low-latency call makes, bound to the core's fast functions (or gopy's C
+    functions): a call costs no lookup and no Python wrapper. They raise RuntimeError with the core's message; `error`
+    turns it into the Python exception."""
 
     __slots__ = ("Layout", "DispatchQueued", "DispatchNotify", "DispatchRecv", "DispatchCached", "Combine",
                  "PlanDispatch", "DispatchPlanned", "PlanCombine", "CombinePlanned", "LowLatencyDispatch",
-                 "LowLatencyCombine", "LastEntryNs", "BufferLastLaunchNs")
+                 "LowLatencyCombine", "LowLatencyReceive", "LastEntryNs", "BufferLastLaunchNs", "fast")
 
     def __init__(self):
-        for name in self.__slots__:
-            setattr(self, name, getattr(_go._core, "pyep_" + name))
+        fast = _fast_calls()
+        self.fast = bool(fast)
+        for name in self.__slots__[:-1]:
+            setattr(self, name, fast.get(name) or getattr(_go._core, "pyep_" + name))
 
 
 go = _Exports()
@@ -79,7 +104,7 @@ go = _Exports()
 def _forked_child():
     global _owner_pid
     _owner_pid = -1
-    for name in _Exports.__slots__:
+    for name in _Exports.__slots__[:-1]:
         setattr(go, name, _refuse)
 
 

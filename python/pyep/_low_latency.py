@@ -115,7 +115,10 @@ class LowLatencyMixin:
         """The receive hook of call seq; it keeps the call's tensors alive until it runs (on cuda, until the current
         stream has run the receive)."""
         def hook() -> None:
-            _core.call("LowLatencyReceive", self.runtime.id, seq, self._ll_stream())
+            try:
+                _core.go.LowLatencyReceive(self.runtime.id, seq, self._ll_stream())
+            except RuntimeError as e:
+                raise _core.error(e) from None
             if self._cuda:
                 stream = torch.cuda.current_stream(self._device)
                 for t in keep:
