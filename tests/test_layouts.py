@@ -142,6 +142,45 @@ def test_handle_block_written_again_only_when_nothing_holds_it(group, device):
         torch.cuda.synchronize()
 
 
+def test_cached_dispatch_rows_written_again_only_when_dropped(group, device):
+    """The usual cached dispatch writes its rows into the last one's block when nothing holds those rows any more,
+    instead of allocating; never while they or a view of them are held, nor on another stream; and every call's rows
+    are its own."""
+    rt = RoundTrip(group, device, "cached")
+    buffer, x = rt.buffer, rt.x
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=rt.topk, topk_weights=rt.w,
+                                                 **layout_of(buffer, rt.topk, rt.E))
+    want = recv_x.cpu()
+    del recv_x
+
+    def cached(scale):
+        rows = buffer.dispatch(x * scale, handle=handle)[0]
+        assert torch.equal(rows.cpu(), want * scale)
+        return rows
+
+    rows = cached(1)
+    was = rows.data_ptr()
+    del rows
+    rows = cached(2)
+    assert rows.data_ptr() == was, "a dropped cached dispatch's rows were not written again"
+    for name, hold in (("the rows", lambda r: r), ("a view of them", lambda r: r[1:])):
+        held = hold(rows)
+        kept = held.clone()
+        was = rows.data_ptr()
+        del rows
+        rows = cached(4)
+        assert rows.data_ptr() != was, f"a cached dispatch's rows written again while {name} was held"
+        assert torch.equal(held.cpu(), kept.cpu()), f"{name} changed"
+        del held
+    if device.type == "cuda":
+        was = rows.data_ptr()
+        del rows
+        with torch.cuda.stream(torch.cuda.Stream()):
+            rows = cached(1)
+            assert rows.data_ptr() != was, "a cached dispatch's rows of one stream written again on another"
+        torch.cuda.synchronize()
+
+
 def test_layout_makes_room_for_the_next_dispatch(group, device):
     """After a usual dispatch, the usual get_dispatch_layout makes room in its own memory for the int32s of the next
     dispatch's handle and allocates that dispatch's rows after its launch, so that a dispatch with this layout

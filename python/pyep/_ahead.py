@@ -74,7 +74,8 @@ class Ahead:
 
     def _ahead_init(self) -> None:
         self._queued_rows = 0  # the most rows a queued dispatch of this rank had to redo
-        self._handle_block = None  # the last dispatch's handle block, its stream and storage use count (_int32_block)
+        self._handle_block = None  # the last dispatch's handle block, its key and storage use count (_kept_block)
+        self._cached_block = None  # the last cached dispatch's rows, likewise
         # What the next dispatch will likely be, from the last usual one: (channels, row bytes, scales, top-k, FP8),
         # for the layout's handle room and rows ahead; and those rows: (block, float32s, stream, its plan or None).
         self._next_dispatch = None
@@ -98,20 +99,43 @@ class Ahead:
         return (_refcount(lay[0]) == 2 and _refcount(lay[1]) == 2 and _refcount(lay[2]) == 2
                 and _USE_COUNT(lay[2].untyped_storage()._cdata) == lay[9])
 
-    def _int32_block(self, flags: int, stream: int, n: int) -> torch.Tensor:
-        """n int32s for a dispatch's handle: the usual call on the stream of the last one (not during a CUDA graph
-        capture) gets the last handle's block back when nothing holds it any more (no reference but this buffer's, no
-        tensor on its memory: the handle was dropped), as _reusable_layout decides for a layout; else a new block, kept
-        for next time. A handle is small (its largest part is R int32s a token), so keeping it costs little memory."""
-        kept = self._handle_block
+    @staticmethod
+    def _let_go(kept: Optional[tuple], key: tuple) -> bool:
+        """Whether `kept` (a block, its key, its storage's use count when made) has `key` and nothing but `kept` holds
+        its block any more: no reference (the tuple's and getrefcount's own are the two counted) and no tensor on its
+        memory (a view), as _reusable_layout decides for a layout."""
+        return (kept is not None and kept[1] == key and _refcount(kept[0]) == 2
+                and _USE_COUNT(kept[0].untyped_storage()._cdata) == kept[2])
+
+    def _kept_block(self, name: str, flags: int, key: tuple, make) -> torch.Tensor:
+        """The memory of a call's outputs: the usual call (not during a CUDA graph capture) gets the block of the last
+        call like it (kept in attribute `name`, with the same `key`: sizes and stream) back once the caller let it go,
+        as the caching allocator would hand it to the same stream, without the allocator's 2-4 µs; else `make()`'s new
+        block, kept for next time. The block itself never leaves: callers get views of it."""
+        kept = getattr(self, name)
         if flags != _USUAL or _USE_COUNT is None or (self._cuda and _capturing()):
-            return self._empty(flags, n, torch.int32)
-        if (kept is not None and kept[1] == n and kept[2] == stream and _refcount(kept[0]) == 2
-                and _USE_COUNT(kept[0].untyped_storage()._cdata) == kept[3]):
+            return make()
+        if self._let_go(kept, key):
             return kept[0]
-        block = torch.empty(n, dtype=torch.int32, device=self._device)
-        self._handle_block = (block, n, stream, _USE_COUNT(block.untyped_storage()._cdata))
+        setattr(self, name, None)
+        del kept  # let go first: its memory may serve this call
+        block = make()
+        setattr(self, name, (block, key, _USE_COUNT(block.untyped_storage()._cdata)))
         return block
+
+    def _int32_block(self, flags: int, stream: int, n: int) -> torch.Tensor:
+        """n int32s for a dispatch's handle: the last handle's block when the handle was dropped (_kept_block). A
+        handle is small (its largest part is R int32s a token), so keeping it costs little memory."""
+        return self._kept_block("_handle_block", flags, (n, stream),
+                                lambda: torch.empty(n, dtype=torch.int32, device=self._device))
+
+    def _cached_rows(self, flags: int, stream: int, rows: int, H: int, xt: int, words: int) -> Tuple[torch.Tensor, int]:
+        """A cached dispatch's received rows (as _rows_block lays them out): the last cached dispatch's block when its
+        outputs were dropped (_kept_block). That keeps one block of rows between cached dispatches, as the outputs
+        ahead of a combine do between a dispatch and its combine."""
+        at = _align(rows * H * _ITEMSIZE.get(xt, 1)) if words else 0
+        return self._kept_block("_cached_block", flags, (rows, H, xt, words, stream),
+                                lambda: self._rows_block(flags, rows, H, xt, words)[0]), at
 
     def _queued_capacity(self, R: int, T: int) -> int:
         """The rows a queued dispatch of T tokens allocates: the most this rank receives when every rank has as many

@@ -434,7 +434,7 @@ class NormalMode(Ahead):
         xp, xt, xv, xn, xT, H, xs0, xs1 = _desc2("x" if scales is None else "x[0]", x)
         sp, st, sv, sn, s0, S, ss0, ss1 = _desc2("x[1]", scales)
         dtype = _DTYPE_OF.get(xt, torch.uint8)
-        block, at_scales = self._rows_block(flags, rows, H, xt, 0 if scales is None else S)
+        block, at_scales = self._cached_rows(flags, stream, rows, H, xt, 0 if scales is None else S)
         r = block.data_ptr()
         try:
             _go.DispatchCached(self._rid, f0, f1, f2, f3, f4, xp, xt, xv, xn, xT, H, xs0, xs1, sp, st, sv, sn, s0, S, ss0,
@@ -444,13 +444,14 @@ class NormalMode(Ahead):
             raise _core.error(e) from None
         self._prepare_combine(flags, stream, T, H)
         self._plan_combine(handle)
+        # Views only: the block may serve the next cached dispatch once they are dropped (_cached_rows).
         if scales is not None and S:
             recv = (_rows(block.view(dtype), 0, rows, H),
                     _rows(block if st != _INT32 else block.view(torch.int32), at_scales, rows, S))
         elif scales is not None:
-            recv = (block, block.new_empty((rows, 0), dtype=_DTYPE_OF.get(st, torch.float32)))
+            recv = (_rows(block, 0, rows, H), block.new_empty((rows, 0), dtype=_DTYPE_OF.get(st, torch.float32)))
         else:
-            recv = block
+            recv = _rows(block, 0, rows, H)
         return recv, None, None, None, None, self._finish(async_finish, flags, (x, scales, handle[0], handle[1],
                                                                                  handle[4], block))
 
