@@ -109,6 +109,39 @@ def host(o):
     return o.cpu() if isinstance(o, torch.Tensor) else o
 
 
+def test_layout_again_keeps_its_plan(group, device):
+    """A layout again with nothing between (DeepEP's harness times get_dispatch_layout so) keeps the rows ahead and the
+    plan that no dispatch took when they are the same, instead of allocating and planning again; another topk_idx
+    plans again; the dispatch after either runs planned and gives the first layer's outputs."""
+    layer = Layer(group, device, "plans-again")
+    buffer, topk, E = layer.buffer, layer.topk, layer.E
+    try:
+        out = layer.dispatch(layer.x)
+        first = [host(o) for o in out]
+        del out
+        with counted("PlanDispatch", "DispatchPlanned") as n:
+            buffer.get_dispatch_layout(topk, E)  # the dispatch took the rows ahead: new ones, planned
+            rows = buffer._rows_ahead[0].data_ptr()
+            for _ in range(3):
+                buffer.get_dispatch_layout(topk, E)
+            assert n == {"PlanDispatch": 1, "DispatchPlanned": 0}, n
+            assert buffer._rows_ahead[0].data_ptr() == rows, "the rows ahead were allocated again"
+            out = layer.dispatch(layer.x)  # a fifth layout, then the planned dispatch
+            same([host(o) for o in out], first, "the dispatch after layouts again")
+            assert n == {"PlanDispatch": 1, "DispatchPlanned": 1}, n
+            del out
+            other = topk.clone()
+            buffer.get_dispatch_layout(topk, E)
+            buffer.get_dispatch_layout(other, E)
+            assert n["PlanDispatch"] == 3, n
+            recv_x, _, _, _, handle, _ = buffer.dispatch(layer.x, topk_idx=other, topk_weights=layer.w,
+                                                         **layout_of(buffer, other, E))
+            same(host(recv_x), first[0], "the dispatch after another topk_idx")
+            assert n == {"PlanDispatch": 3, "DispatchPlanned": 2}, n
+    finally:
+        buffer.destroy()
+
+
 def test_calls_not_planned_run_unplanned(group, device):
     """Each call that is not the one planned (another hidden size, a config, async_finish, num_worst_tokens, another
     handle, a bias, the same handle twice) runs unplanned and gives the reference; the plan is not used later."""

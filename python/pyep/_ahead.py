@@ -163,16 +163,20 @@ class Ahead:
 
     # ---- a layout's next dispatch ---------------------------------------------------------------------------------
 
-    def _plan_dispatch(self, lay: tuple, nxt: tuple, cap: int, stream: int) -> Optional[tuple]:
+    def _plan_dispatch(self, lay: tuple, nxt: tuple, cap: int, stream: int, before: Optional[tuple]) -> Optional[tuple]:
         """After a usual layout's launch (`lay` its record, its room made for `nxt`, the next dispatch as the last usual
-        one was, of `cap` rows): that dispatch planned in the core, with the rows ahead just allocated; what
-        _dispatch_planned needs, or None when it cannot be planned (another config's channels now, another top-k)."""
+        one was, of `cap` rows): that dispatch planned in the core, with the rows ahead; what _dispatch_planned needs,
+        or None when it cannot be planned (another config's channels now, another top-k). `before`, the plan that no
+        dispatch took (of the layout before, with the same rows), stands when it was made of the same arguments."""
         C, row_bytes, S, K, fp8 = nxt
         f = self._fields(None, "dispatch_fp8" if fp8 else "dispatch")
         tp, tt, tv, tn, T, tK, ts0, ts1 = lay[7]
         if not _PLANS or f[0] != 2 * C or tK != K:
             return None
         R, E, gp = lay[4][4], lay[4][12], lay[4][16]  # num_tokens_per_rank's and per_expert's sizes, in_rank's data
+        made = (nxt, f, cap, stream, lay[4], lay[7], lay[10], self._counts_for(E // R))
+        if before is not None and before[-1] == made:
+            return before
         hl = _handle_layout(R, C, T, cap, E // R)
         rl = _recv_layout(cap, row_bytes, S, K)
         h, r, num = lay[4][0] + lay[10], self._rows_ahead[0].data_ptr(), self._next_number()
@@ -183,12 +187,13 @@ class Ahead:
                              stream)
         except RuntimeError as e:
             raise _core.error(e) from None
-        return num, stream, (type(self).num_sms, tuning.generation), fp8, row_bytes, S, hl, rl, cap, R, C, T, E // R, gp
+        return (num, stream, (type(self).num_sms, tuning.generation), fp8, row_bytes, S, hl, rl, cap, R, C, T, E // R, gp,
+                made)
 
     def _dispatch_planned(self, plan: tuple, x, topk_weights, expert_alignment, in_rank: torch.Tensor):
         """The dispatch that `plan` (see _plan_dispatch) prepared, when x, its scales and the stream are the ones it was
         prepared for; else None (the rows ahead stay, for the call's usual path to take or let go)."""
-        num, stream, key, fp8, row_bytes, S, hl, rl, cap, R, C, T, per_expert, gp = plan
+        num, stream, key, fp8, row_bytes, S, hl, rl, cap, R, C, T, per_expert, gp, _ = plan
         if ((type(x) is tuple) is not fp8 or (type(self).num_sms, tuning.generation) != key
                 or (_current_stream(self._device_index) if self._cuda else 0) != stream):
             return None

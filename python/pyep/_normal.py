@@ -202,11 +202,15 @@ class NormalMode(Ahead):
                        stream, event, flags)
         except RuntimeError as e:
             raise _core.error(e) from None
-        # Launched: the next dispatch's rows, allocated while the kernel runs (see _take_rows_ahead).
-        self._rows_ahead = None
+        # Launched: the next dispatch's rows, allocated while the kernel runs (see _take_rows_ahead); those of the
+        # layout before when no dispatch took them and they fit (a layout again).
+        ahead, self._rows_ahead = self._rows_ahead, None
         if nxt is not None:
             n = _recv_layout(cap, *nxt[1:4])[4]
-            self._rows_ahead = (torch.empty(n, dtype=torch.float32, device=self._device), n, stream, None)
+            if ahead is None or ahead[1] != n or ahead[2] != stream:
+                ahead = None  # let go first: its memory may serve this call
+                ahead = (torch.empty(n, dtype=torch.float32, device=self._device), n, stream, None)
+            self._rows_ahead = ahead
         if block is None:
             per_rank, per_expert, in_rank = lay[0], lay[1], lay[2]
         else:
@@ -223,8 +227,8 @@ class NormalMode(Ahead):
                          base + at_in_rank, _BOOL, dev, 2, T, R, R, 1),
                         topk_idx, topk_idx._version, (tp, tt, tv, tn, T, t1, ts0, ts1),
                         key, None if key is None else _USE_COUNT(in_rank.untyped_storage()._cdata), at_handle, room)
-        if nxt is not None:  # the next dispatch, planned with those rows
-            self._rows_ahead = self._rows_ahead[:3] + (self._plan_dispatch(self._layout, nxt, cap, stream),)
+        if nxt is not None:  # the next dispatch, planned with those rows (or still planned so)
+            self._rows_ahead = ahead[:3] + (self._plan_dispatch(self._layout, nxt, cap, stream, ahead[3]),)
         return per_rank, per_rdma_rank, per_expert, in_rank, self._finish(
             async_finish, flags, (topk_idx, per_rank, per_expert, in_rank))
 
