@@ -101,7 +101,9 @@ def test_core_calls_take_the_fast_path(group, rank, num_ranks):
             _core.go.Layout = saved
         for a, b in zip(want[:4], have[:4]):
             assert (a is None and b is None) or torch.equal(a, b)
-        assert want[0].tolist() == ([2] if num_ranks == 1 else [2, 1] + [0] * (num_ranks - 2))
+        per_rank = [0] * num_ranks  # two experts a rank: token 0 goes to ranks 0 and R // 2, token 1 to rank 0
+        per_rank[0], per_rank[num_ranks // 2] = 2, 2 if num_ranks == 1 else 1
+        assert want[0].tolist() == per_rank
     finally:
         buffer.destroy()
 
