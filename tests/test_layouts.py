@@ -144,8 +144,8 @@ def test_handle_block_written_again_only_when_nothing_holds_it(group, device):
 
 def test_cached_dispatch_rows_written_again_only_when_dropped(group, device):
     """The usual cached dispatch writes its rows into the last one's block when nothing holds those rows any more,
-    instead of allocating; never while they or a view of them are held, nor on another stream; and every call's rows
-    are its own."""
+    instead of allocating; never while they or a view of them are held, nor on another stream, nor after another call
+    (a combine, a layout, a dispatch: the block is let go); and every call's rows are its own."""
     rt = RoundTrip(group, device, "cached")
     buffer, x = rt.buffer, rt.x
     recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=rt.topk, topk_weights=rt.w,
@@ -172,6 +172,15 @@ def test_cached_dispatch_rows_written_again_only_when_dropped(group, device):
         assert rows.data_ptr() != was, f"a cached dispatch's rows written again while {name} was held"
         assert torch.equal(held.cpu(), kept.cpu()), f"{name} changed"
         del held
+    for name, call in (("a combine", lambda: rt.combines(expert_output(want.to(x.device), rt.me), None, handle)),
+                       ("a layout", lambda: buffer.get_dispatch_layout(rt.topk, rt.E)),
+                       ("a dispatch", lambda: buffer.dispatch(x, topk_idx=rt.topk, topk_weights=rt.w,
+                                                              **layout_of(buffer, rt.topk, rt.E)))):
+        del rows
+        assert buffer._cached_block is not None
+        call()
+        assert buffer._cached_block is None, f"a cached dispatch's rows kept past {name}"
+        rows = cached(1)
     if device.type == "cuda":
         was = rows.data_ptr()
         del rows

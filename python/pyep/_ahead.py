@@ -75,7 +75,7 @@ class Ahead:
     def _ahead_init(self) -> None:
         self._queued_rows = 0  # the most rows a queued dispatch of this rank had to redo
         self._handle_block = None  # the last dispatch's handle block, its key and storage use count (_kept_block)
-        self._cached_block = None  # the last cached dispatch's rows, likewise
+        self._cached_block = None  # the last cached dispatch's rows, likewise, until another call (_cached_rows)
         # What the next dispatch will likely be, from the last usual one: (channels, row bytes, scales, top-k, FP8),
         # for the layout's handle room and rows ahead; and those rows: (block, float32s, stream, its plan or None).
         self._next_dispatch = None
@@ -131,8 +131,10 @@ class Ahead:
 
     def _cached_rows(self, flags: int, stream: int, rows: int, H: int, xt: int, words: int) -> Tuple[torch.Tensor, int]:
         """A cached dispatch's received rows (as _rows_block lays them out): the last cached dispatch's block when its
-        outputs were dropped (_kept_block). That keeps one block of rows between cached dispatches, as the outputs
-        ahead of a combine do between a dispatch and its combine."""
+        outputs were dropped (_kept_block). The block is kept only from one cached dispatch to the next: a layout,
+        another dispatch or a combine lets it go (combine, dispatch and get_dispatch_layout in _normal.py), so that
+        a training step's backward (a cached dispatch, the experts holding its rows, the combine) keeps no rows that
+        the caller let go, as DeepEP keeps none."""
         at = _align(rows * H * _ITEMSIZE.get(xt, 1)) if words else 0
         return self._kept_block("_cached_block", flags, (rows, H, xt, words, stream),
                                 lambda: self._rows_block(flags, rows, H, xt, words)[0]), at

@@ -205,6 +205,7 @@ class NormalMode(Ahead):
         # Launched: the next dispatch's rows, allocated while the kernel runs (see _take_rows_ahead); those of the
         # layout before when no dispatch took them and they fit (a layout again).
         ahead, self._rows_ahead = self._rows_ahead, None
+        self._cached_block = None  # kept for a cached dispatch right after one only (_cached_rows)
         if nxt is not None:
             n = _recv_layout(cap, *nxt[1:4])[4]
             if ahead is None or ahead[1] != n or ahead[2] != stream:
@@ -293,6 +294,8 @@ class NormalMode(Ahead):
                                      num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                                      config, previous_event, async_finish, allocate_on_comm_stream)
         ahead = self._rows_ahead
+        if handle is None:
+            self._cached_block = None  # kept for a cached dispatch right after one only (_cached_rows)
         if ahead is not None and ahead[3] is not None:
             lay = self._layout
             if (handle is None and topk_idx is lay[5] and num_tokens_per_rank is lay[0]
@@ -494,6 +497,7 @@ class NormalMode(Ahead):
         if self._multi_domain:
             return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                           allocate_on_comm_stream)
+        self._cached_block = None  # kept for a cached dispatch right after one only (_cached_rows)
         ahead = self._combine_ahead
         if (ahead is not None and handle is ahead[3] and bias is None and config is None and previous_event is None
                 and not async_finish and not allocate_on_comm_stream):
