@@ -34,7 +34,7 @@ func FastCalls() uintptr {
 		}
 		names := (*[1 << 10]*C.char)(C.malloc(C.size_t(len(fastCalls)) * C.size_t(unsafe.Sizeof((*C.char)(nil)))))
 		for i := range fastCalls {
-			names[i] = C.CString(fastCalls[i].name)  // kept for the process: the table names them
+			names[i] = C.CString(fastCalls[i].name) // kept for the process: the table names them
 		}
 		fastTable.names = &names[0]
 		fastTable.defs = uintptr(C.pyep_fast_init(fastTable.names, C.int(len(fastCalls))))
