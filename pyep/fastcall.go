@@ -8,6 +8,7 @@ package pyep
 #include <stdlib.h>
 
 int pyep_fast_capacity(void);
+int pyep_fast_max_args(void);
 void* pyep_fast_init(const char* const* names, int count);
 */
 import "C"
@@ -31,6 +32,11 @@ func FastCalls() uintptr {
 	fastTable.once.Do(func() {
 		if len(fastCalls) > int(C.pyep_fast_capacity()) {
 			return
+		}
+		for i := range fastCalls {
+			if fastCalls[i].arity > int(C.pyep_fast_max_args()) {
+				return // gopy's wrappers then
+			}
 		}
 		names := (*[1 << 10]*C.char)(C.malloc(C.size_t(len(fastCalls)) * C.size_t(unsafe.Sizeof((*C.char)(nil)))))
 		for i := range fastCalls {

@@ -32,7 +32,7 @@ typedef struct {
 } pyep_method_def;
 #define PYEP_METH_FASTCALL 0x0080
 
-#define PYEP_FAST_MAX_ARGS 96  // above the widest export (DispatchNotify, 78)
+#define PYEP_FAST_MAX_ARGS 96  // above the widest export (DispatchQueued, 78; FastCalls checks)
 #define PYEP_FAST_CALLS 24
 
 static long long (*py_as_long_long)(PyObject*);
@@ -77,6 +77,7 @@ static void* const trampolines[PYEP_FAST_CALLS] = {
 };
 
 int pyep_fast_capacity(void) { return PYEP_FAST_CALLS; }
+int pyep_fast_max_args(void) { return PYEP_FAST_MAX_ARGS; }
 
 // The method table of `count` calls named `names` (kept by the caller), ended by a NULL name;
 // NULL when the process has no CPython (a Go test) or count is above the trampolines.

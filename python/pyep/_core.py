@@ -87,14 +87,15 @@ class _Exports:
     functions): a call costs no lookup and no Python wrapper. They raise RuntimeError with the core's message; `error`
     turns it into the Python exception."""
 
-    __slots__ = ("Layout", "DispatchQueued", "DispatchNotify", "DispatchRecv", "DispatchCached", "Combine",
-                 "PlanDispatch", "DispatchPlanned", "PlanCombine", "CombinePlanned", "LowLatencyDispatch",
-                 "LowLatencyCombine", "LowLatencyReceive", "LastEntryNs", "BufferLastLaunchNs", "fast")
+    calls = ("Layout", "DispatchQueued", "DispatchNotify", "DispatchRecv", "DispatchCached", "Combine",
+             "PlanDispatch", "DispatchPlanned", "PlanCombine", "CombinePlanned", "LowLatencyDispatch",
+             "LowLatencyCombine", "LowLatencyReceive", "LastEntryNs", "BufferLastLaunchNs")
+    __slots__ = calls + ("fast",)  # fast: whether they are the core's fast functions
 
     def __init__(self):
         fast = _fast_calls()
         self.fast = bool(fast)
-        for name in self.__slots__[:-1]:
+        for name in self.calls:
             setattr(self, name, fast.get(name) or getattr(_go._core, "pyep_" + name))
 
 
@@ -104,7 +105,7 @@ go = _Exports()
 def _forked_child():
     global _owner_pid
     _owner_pid = -1
-    for name in _Exports.__slots__[:-1]:
+    for name in _Exports.calls:
         setattr(go, name, _refuse)
 
 
