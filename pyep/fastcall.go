@@ -19,14 +19,13 @@ import (
 )
 
 var fastTable struct {
-	once  sync.Once
-	names **C.char
-	defs  uintptr
+	once sync.Once
+	defs uintptr
 }
 
 // FastCalls is the address of a CPython method table (PyMethodDef entries ended by a NULL name)
 // of the exports in fastCalls, as METH_FASTCALL functions that take the same integers as
-// gopy's wrappers (fastcall.c); python/pyep/_core.py makes its functions from it. 0 where the
+// gopy's wrappers (fastcall_cpython.go); python/pyep/_core.py makes its functions from it. 0 where the
 // process has no CPython to call.
 func FastCalls() uintptr {
 	fastTable.once.Do(func() {
@@ -38,12 +37,11 @@ func FastCalls() uintptr {
 				return // gopy's wrappers then
 			}
 		}
-		names := (*[1 << 10]*C.char)(C.malloc(C.size_t(len(fastCalls)) * C.size_t(unsafe.Sizeof((*C.char)(nil)))))
+		names := make([]*C.char, len(fastCalls))
 		for i := range fastCalls {
-			names[i] = C.CString(fastCalls[i].name) // kept for the process: the table names them
+			names[i] = C.CString(fastCalls[i].name) // kept for the process: the table's entries point at them
 		}
-		fastTable.names = &names[0]
-		fastTable.defs = uintptr(C.pyep_fast_init(fastTable.names, C.int(len(fastCalls))))
+		fastTable.defs = uintptr(C.pyep_fast_init(&names[0], C.int(len(fastCalls))))
 	})
 	return fastTable.defs
 }
