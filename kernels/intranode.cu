@@ -37,8 +37,9 @@
 // Ring (c, s -> r), for channel c from sender s to receiver r, lives in r's region: its slots
 // (one array per field, all rings' slots of a field in one array). A ring is split into W
 // sub-rings of S = ring_slots / W slots (sub_rings below): the ring's i-th token goes to
-// sub-ring i % W, slot (i / W) % S, so that sending warp w and receiving warp w of a pair of
-// blocks stream sub-ring w on their own, with no barrier between the warps of a block. The tail
+// sub-ring i % W, slot (i / W) % S, so that one sending warp and one receiving warp stream each
+// sub-ring on their own, with no barrier between the warps of a block (which warp takes which:
+// intranode_dispatch.cuh's sub_ring). The tail
 // words tails[c*R + s][w] there are written by s: (count + 1) << 32 | tokens of sub-ring w
 // pushed so far, count being what s will push on the whole ring in this call (0: not announced
 // yet). The head words, in the sender's region (heads[c*R + r][w] of s, written by r), count
@@ -251,15 +252,16 @@ PYEP_DEVICE bool call_barriers(const Ctx& ctx, i32 op, int tid) {
 }
 
 // The sending block's publisher: lane j serves the sending warp that posts at s_tail[j], sub-ring
-// first + j % kGroupWarps of channel c to the rank of group j / kGroupWarps (group_rank). Whenever
+// first + stride * (j % kGroupWarps) of channel c to the rank of group j / kGroupWarps (group_rank). Whenever
 // some of them posted progress, one fence (cumulative: it covers the stores the warps released to
 // it) and then their tail words, so the sending warps stream without ever waiting on a
 // system-scope fence. Returns once every sending warp counted itself out of s_left (after its last
 // post), or the buffer aborted.
 template <int kGroups, int kGroupWarps, bool kSkipSelf>
-PYEP_DEVICE void publish_tails(const Ctx& ctx, int c, const u64* s_tail, const i32* s_left, int lane, int first) {
+PYEP_DEVICE void publish_tails(const Ctx& ctx, int c, const u64* s_tail, const i32* s_left, int lane, int first,
+                               int stride) {
     static_assert(kGroups * kGroupWarps <= 32, "a publisher lane per sending warp");
-    const int R = kRanks, g = lane / kGroupWarps, w = first + lane % kGroupWarps;
+    const int R = kRanks, g = lane / kGroupWarps, w = first + stride * (lane % kGroupWarps);
     const int d = group_rank(g, ctx.rank, kSkipSelf);
     const bool mine = lane < kGroups * kGroupWarps;
     u64* tail = mine ? tail_word(ctx, d, c * R + ctx.rank, w) : nullptr;
@@ -406,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) pyep_combine(const Com
             combine_reduce(p, c, kReducers + wg, lane, Progress{nullptr, tail_word(p.ctx, me, c * kRanks + me, wg)});
             role = kProbeReduce;
         } else if (warp == kPublisher) {
-            publish_tails<kRanks - 1, kWarpsPerRank, true>(p.ctx, c, s_tail, s_flag + 1, lane, 0);
+            publish_tails<kRanks - 1, kWarpsPerRank, true>(p.ctx, c, s_tail, s_flag + 1, lane, 0, 1);
             role = kProbePublish;
         }
     } else if (warp == 0) {

@@ -61,11 +61,25 @@ constexpr int kPeerWarps = kPeerGroups == 0 ? 1 : (kPeerFit < 32 / kPeerGroups ?
 static_assert(kPeerWarps >= 1 && (!kLocalDirect || kOwnWarps >= 1), "a warp for each group");
 static_assert(kPeerGroups * kPeerWarps * (kSplitSend ? 2 : 1) + kOwnWarps <= kFreeWarps, "the groups fit the block");
 
-// Sending and receiving warps a group of half q has; sub-rings are fed by the sending warps of
-// half 0, then of half 1, and drained alike.
+// Sending and receiving warps a group of half q has (which sub-rings they take: sub_ring below).
 PYEP_DEVICE constexpr int send_warps(int q) { return kSplitSend || q == 0 ? kPeerWarps : 0; }
 PYEP_DEVICE constexpr int recv_warps(int q) { return kSplitSend || q == 1 ? kPeerWarps : 0; }
 constexpr int kRingWarps = kSplitSend ? 2 * kPeerWarps : kPeerWarps;  // sending warps of a ring, both halves
+
+// 1, the default: with both halves sending, they take alternate sub-rings. A ring's i-th token goes
+// to sub-ring i mod W, so a count that W does not divide gives its first sub-rings one token more;
+// dealt half 0's first, those all fell to half 0, whose SM then had more rows to write over NVLink
+// than its pair (2x H200, 340 tokens a channel over 16 sub-rings: 172 rows against 168). Own rows
+// alike (dispatch_local). PYEP_INTERLEAVE=0: half 0 takes the first sub-rings, for comparison.
+#ifndef PYEP_INTERLEAVE
+#define PYEP_INTERLEAVE 1
+#endif
+constexpr bool kInterleave = kSplitSend && PYEP_INTERLEAVE != 0;
+
+// The sub-ring of warp i of a peer's sending (or receiving) group in half q.
+PYEP_DEVICE constexpr int sub_ring(int q, int i) {
+    return kInterleave ? 2 * i + q : q == 0 ? i : (kSplitSend ? kPeerWarps : 0) + i;
+}
 
 #ifndef PYEP_HIDDEN_BYTES
 #define PYEP_HIDDEN_BYTES 512
@@ -207,11 +221,10 @@ PYEP_DEVICE void dispatch_send(const DispatchParams& p, int c, int d, int wg, in
     if (wg == 0 && ord != count && lane == 0) fail(ctx, kOpDispatch, kCodeMismatch, kBadInRank, c, d, ord, count, 0);
 }
 
-// Receiving warp i of group g (peer s) of half q on channel c: sub-ring wg (i, after half 0's
-// warps in half 1), into rows base + wg, base + wg + W, ... The half's first receiving warp of the
+// Receiving warp i of group g (peer s) of half q on channel c: sub-ring wg = sub_ring(q, i), into rows base + wg, base + wg + W, ... The half's first receiving warp of the
 // group finds base; the half that drains sub-ring 0 also checks the counts.
 PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int g, int s, int q, int i, int lane, i64* s_avail) {
-    const int wg = q == 0 ? i : recv_warps(0) + i;
+    const int wg = sub_ring(q, i);
     const bool checks = q == (recv_warps(0) > 0 ? 0 : 1);
     const Ctx& ctx = p.ctx;
     const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
@@ -342,8 +355,8 @@ PYEP_DEVICE void copy_local_token(const DispatchParams& p, i64 row, i32 tok, int
 }
 
 // Channel c's tokens for this rank itself, copied by the own groups of both its blocks (the
-// sending block's is part 0, the receiving block's part 1): warp j = part * W + wg takes the
-// ordinals j mod 2W, into rows after those of the lower ranks and of channels before c (which the
+// sending block's is part 0, the receiving block's part 1): warp j = 2 wg + part (part * W + wg
+// without kInterleave) takes the ordinals j mod 2W, into rows after those of the lower ranks and of channels before c (which the
 // channel_prefix_matrix gives; the receiver learns a peer's from its announcements). Warp 0 of
 // part 0 writes send_head and checks is_token_in_rank against the count, as dispatch_send does
 // for a peer; it also checks the rows, as dispatch_recv does.
@@ -351,7 +364,7 @@ PYEP_DEVICE void dispatch_local(const DispatchParams& p, int c, int part, int wg
     const Ctx& ctx = p.ctx;
     const int R = kRanks, me = ctx.rank, C = ctx.num_channels;
     constexpr int kParts = 2 * kOwnWarps;
-    const int j = part * kOwnWarps + wg;
+    const int j = kInterleave ? 2 * wg + part : part * kOwnWarps + wg;
     i32 lo, hi;
     channel_range(p.num_tokens, C, c, lo, hi);
     const i32* cp = reinterpret_cast<const i32*>(p.channel_prefix);
@@ -432,7 +445,7 @@ PYEP_DEVICE void dispatch_block(const DispatchParams& p, int b, bool pad, Start 
     if (warp < sending) {  // sending group g, sub-rings of half 0 first
         const int g = warp / send_warps(q), i = warp % send_warps(q);
         peer = group_rank(g, me, kLocalDirect);
-        dispatch_send(p, c, peer, q == 0 ? i : send_warps(0) + i, lane, s_tail + warp);
+        dispatch_send(p, c, peer, sub_ring(q, i), lane, s_tail + warp);
         if (lane == 0) red_add_release_cta(s_left, -1);
         role = kProbeSend;
     } else if (warp < sending + receiving) {  // receiving group g
@@ -444,7 +457,8 @@ PYEP_DEVICE void dispatch_block(const DispatchParams& p, int b, bool pad, Start 
         dispatch_local(p, c, q, warp - sending - receiving, lane);
         role = q == 0 ? kProbeLocalSend : kProbeLocalRecv;
     } else if (warp == kPublisher && sending > 0) {
-        publish_tails<kPeerGroups, kPeerWarps, kLocalDirect>(p.ctx, c, s_tail, s_left, lane, q == 0 ? 0 : send_warps(0));
+        publish_tails<kPeerGroups, kPeerWarps, kLocalDirect>(p.ctx, c, s_tail, s_left, lane, sub_ring(q, 0),
+                                                            sub_ring(q, 1) - sub_ring(q, 0));
         role = kProbePublish;
     }
     if (q == 1 && pad && p.num_out_rows > 0) dispatch_pad(p, c * kWarps + warp, p.ctx.num_channels * kWarps, lane);

@@ -245,7 +245,7 @@ func TestEmulatedFourRanks(t *testing.T) {
 
 // Two and four ranks in the GPU's shapes (up to 32 warps a block), one channel: slow. The rings
 // of 3 and 5 slots have fewer slots than a peer has sending warps (as many sub-rings of one as
-// slots).
+// slots; with both halves sending, the sub-rings they take alternate).
 func TestEmulatedGPUBlocks(t *testing.T) {
 	if os.Getenv("PYEP_EMU_SLOW") == "" {
 		t.Skip("set PYEP_EMU_SLOW=1: thousands of threads")
@@ -266,6 +266,9 @@ func TestEmulatedGPUBlocks(t *testing.T) {
 		rcase{name: "hidden_2880_R2_ring5", R: 2, T: 40, E: 8, K: 8, hidden: 2880, dtype: bf16, cfg: cfg(sms, 2, 5), align: 1, bias: 1},
 		rcase{name: "fp8_R2_ring256", R: 2, T: 24, E: 8, K: 4, hidden: 56 * 128, dtype: dlpack.FP8E4M3, scales: 56,
 			cfg: cfg(sms, 2, 256), align: 1, combineDT: bf16},
+		// Both halves send FP8 rows, on alternate sub-rings: 5 of them, so the halves' sets differ.
+		rcase{name: "fp8_R2_ring5", R: 2, T: 37, E: 8, K: 4, hidden: 4 * 128, dtype: dlpack.FP8E4M3, scales: 4,
+			cfg: cfg(sms, 2, 5), align: 1, combineDT: bf16},
 		rcase{name: "f32_R2_ring256", R: 2, T: 96, E: 8, K: 8, hidden: 256, dtype: dlpack.F32, cfg: cfg(sms, 2, 256), align: 1, bias: 2})
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
