@@ -34,16 +34,15 @@
 //
 //   [tails: u64 [C*R][kSubRings]][heads: u32 [C*R][kSubRings]][ring slot fields ...] ... [notify scratch]
 //
-// Ring (c, s -> r), for channel c from sender s to receiver r, lives in r's region: its slots
-// (one array per field, all rings' slots of a field in one array). A ring is split into W
-// sub-rings of S = ring_slots / W slots (sub_rings below): the ring's i-th token goes to
-// sub-ring i % W, slot (i / W) % S, so that one sending warp and one receiving warp stream each
-// sub-ring on their own, with no barrier between the warps of a block (which warp takes which:
-// intranode_dispatch.cuh's sub_ring). The tail
-// words tails[c*R + s][w] there are written by s: (count + 1) << 32 | tokens of sub-ring w
-// pushed so far, count being what s will push on the whole ring in this call (0: not announced
-// yet). The head words, in the sender's region (heads[c*R + r][w] of s, written by r), count
-// what r has consumed: per sub-ring in dispatch; in combine, word 0 counts the ring's tokens
+// Ring (c, s -> r), for channel c from sender s to receiver r, lives in r's region: its slots (one
+// array per field, all rings' slots of a field in one array). A ring is split into W sub-rings of
+// S = ring_slots / W slots (sub_rings below): the ring's i-th token goes to sub-ring i % W, slot
+// (i / W) % S, so that one sending warp and one receiving warp stream each sub-ring on their own,
+// with no barrier between the warps of a block (which warp takes which: intranode_dispatch.cuh's
+// sub_ring). The tail words tails[c*R + s][w] there are written by s: (count + 1) << 32 | tokens of
+// sub-ring w pushed so far, count being what s will push on the whole ring in this call (0: not
+// announced yet). The head words, in the sender's region (heads[c*R + r][w] of s, written by r),
+// count what r has consumed: per sub-ring in dispatch; in combine, word 0 counts the ring's tokens
 // freed (the reducers take tokens in token order, not by sub-ring). So both sides poll their own
 // memory and only write across NVLink. Ring (c, r -> r) carries no rows: in a dispatch a rank's
 // own tokens go straight from x to its received rows (intranode_dispatch.cuh's dispatch_local), in
@@ -252,11 +251,11 @@ PYEP_DEVICE bool call_barriers(const Ctx& ctx, i32 op, int tid) {
 }
 
 // The sending block's publisher: lane j serves the sending warp that posts at s_tail[j], sub-ring
-// first + stride * (j % kGroupWarps) of channel c to the rank of group j / kGroupWarps (group_rank). Whenever
-// some of them posted progress, one fence (cumulative: it covers the stores the warps released to
-// it) and then their tail words, so the sending warps stream without ever waiting on a
-// system-scope fence. Returns once every sending warp counted itself out of s_left (after its last
-// post), or the buffer aborted.
+// first + stride * (j % kGroupWarps) of channel c to the rank of group j / kGroupWarps
+// (group_rank). Whenever some of them posted progress, one fence (cumulative: it covers the stores
+// the warps released to it) and then their tail words, so the sending warps stream without ever
+// waiting on a system-scope fence. Returns once every sending warp counted itself out of s_left
+// (after its last post), or the buffer aborted.
 template <int kGroups, int kGroupWarps, bool kSkipSelf>
 PYEP_DEVICE void publish_tails(const Ctx& ctx, int c, const u64* s_tail, const i32* s_left, int lane, int first,
                                int stride) {

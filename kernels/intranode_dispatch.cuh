@@ -221,8 +221,9 @@ PYEP_DEVICE void dispatch_send(const DispatchParams& p, int c, int d, int wg, in
     if (wg == 0 && ord != count && lane == 0) fail(ctx, kOpDispatch, kCodeMismatch, kBadInRank, c, d, ord, count, 0);
 }
 
-// Receiving warp i of group g (peer s) of half q on channel c: sub-ring wg = sub_ring(q, i), into rows base + wg, base + wg + W, ... The half's first receiving warp of the
-// group finds base; the half that drains sub-ring 0 also checks the counts.
+// Receiving warp i of group g (peer s) of half q on channel c: sub-ring wg = sub_ring(q, i), into
+// rows base + wg, base + wg + W, ... The half's first receiving warp of the group finds base; the
+// half that drains sub-ring 0 also checks the counts.
 PYEP_DEVICE void dispatch_recv(const DispatchParams& p, int c, int g, int s, int q, int i, int lane, i64* s_avail) {
     const int wg = sub_ring(q, i);
     const bool checks = q == (recv_warps(0) > 0 ? 0 : 1);
@@ -356,8 +357,9 @@ PYEP_DEVICE void copy_local_token(const DispatchParams& p, i64 row, i32 tok, int
 
 // Channel c's tokens for this rank itself, copied by the own groups of both its blocks (the
 // sending block's is part 0, the receiving block's part 1): warp j = 2 wg + part (part * W + wg
-// without kInterleave) takes the ordinals j mod 2W, into rows after those of the lower ranks and of channels before c (which the
-// channel_prefix_matrix gives; the receiver learns a peer's from its announcements). Warp 0 of
+// without kInterleave) takes the ordinals j mod 2W, into rows after those of the lower ranks and
+// of channels before c (which the channel_prefix_matrix gives; the receiver learns a peer's from
+// its announcements). Warp 0 of
 // part 0 writes send_head and checks is_token_in_rank against the count, as dispatch_send does
 // for a peer; it also checks the rows, as dispatch_recv does.
 PYEP_DEVICE void dispatch_local(const DispatchParams& p, int c, int part, int wg, int lane) {
@@ -442,7 +444,7 @@ PYEP_DEVICE void dispatch_block(const DispatchParams& p, int b, bool pad, Start 
     probe_start();
     const int me = p.ctx.rank;
     int role = kProbeIdle, peer = me;
-    if (warp < sending) {  // sending group g, sub-rings of half 0 first
+    if (warp < sending) {  // sending group g
         const int g = warp / send_warps(q), i = warp % send_warps(q);
         peer = group_rank(g, me, kLocalDirect);
         dispatch_send(p, c, peer, sub_ring(q, i), lane, s_tail + warp);
