@@ -53,6 +53,22 @@ func TestEmulatedRoundTrip(t *testing.T) {
 	}
 }
 
+// With blocks of 8 warps at 2 ranks, both halves of a channel send FP8 rows with 2 warps a half,
+// so the halves take alternate sub-rings (kernels/intranode_dispatch.cuh's sub_ring): 4 of them on
+// a big ring, 3 on a ring of 3 slots (where half 1 has one).
+func TestEmulatedAlternateSubRings(t *testing.T) {
+	opts := emu.Options()
+	opts.Threads = 256
+	for _, ring := range []int{256, 3} {
+		c := rcase{name: fmt.Sprintf("fp8_R2_ring%d", ring), R: 2, T: 45, E: 8, K: 4, hidden: 512, dtype: dlpack.FP8E4M3, scales: 4,
+			colScales: true, cfg: cfg(2, 2, ring), align: 1, combineDT: bf16}
+		t.Run(c.name, func(t *testing.T) {
+			envs := newDomainWith(t, c.R, 8<<20, opts)
+			runCase(t, envs, c)
+		})
+	}
+}
+
 // TestEmulatedUseFabric: the kernels over use_fabric buffers, cuMem memory that each rank
 // maps at its own address, shared through file descriptors or fabric handles.
 func TestEmulatedUseFabric(t *testing.T) {
