@@ -197,9 +197,10 @@ PYEP_DEVICE void write_header(u8* head, u32 seq, int q, const i32* s_g, const i3
 // of token t, once however often t selected g): its slot at g is the number of tokens before t that
 // selected g, and its leg, the token's first selection of an expert on g's rank, which leads the
 // token's message to that rank (whether a rank may be written is asked once a block, at its start:
-// ask_writable). A leg's thread writes the message's header (its selections' entries) and places its
-// body, then the warps cast each chunk of every token once and write it into the body of every leg
-// of the token.
+// ask_writable). A leg's thread places its body (by the token alone: message(t) at the rank), the
+// warps cast each chunk of every token once and write it into the body of every leg of the token,
+// and then, while those writes drain, the slots are counted and each leg's thread writes the
+// message's header (its selections' entries).
 // Expert g's flag, seq << 32 | count (every block knows how many tokens selected g), is stored
 // early, by block g % G, which asks about its experts (kOwn a batch) in the same counting pass as
 // its tokens' selections. What says that the messages are written is the done word of this rank
@@ -212,6 +213,11 @@ PYEP_DEVICE void write_header(u8* head, u32 seq, int q, const i32* s_g, const i3
 // and the leg's header staged there too (header [rank][t], after the M bodies); after the barrier
 // a warp puts both from there to the rank; the flags and the done word's add are signals.
 constexpr int kSel = kBatch * kTopk;  // selections of a batch
+// PYEP_LL_CAST_FIRST=0: the bodies cast after the headers, for comparison.
+#ifndef PYEP_LL_CAST_FIRST
+#define PYEP_LL_CAST_FIRST 1
+#endif
+constexpr bool kCastFirst = PYEP_LL_CAST_FIRST != 0;
 constexpr int kOwn = 16;              // experts a block asks about for their flags, a batch
 constexpr u64 kDoneShares = 1ull << 20;  // what the blocks of a call add to a done word, together
 
@@ -229,6 +235,8 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     PYEP_SHARED(i32, s_leg, kSel);            // selection q's leg (q: q leads it), or -1 (no expert)
     PYEP_SHARED(u64, s_slot, kSel);           // leg q's body at its rank (0: none, or not a leg), or the staged body
     PYEP_SHARED(u64, s_rslot, kSel);          // leg q's body at its rank when that is remote (0: none)
+    PYEP_SHARED(u64, s_head, kSel + kOwn);    // leg q's header place (staged, for a remote rank), or the flag of
+                                              // owned query q; 0: not written (their addresses are loaded before the cast)
     PYEP_SHARED(i32, s_dok, kThreads);        // whether rank d may be written (d < kThreads)
     const int warp = static_cast<int>(threadIdx.x) / 32, tid = static_cast<int>(threadIdx.x), R = p.num_ranks,
               E = p.num_experts, L = E / R, T = p.num_tokens, M = p.max_tokens, G = static_cast<int>(gridDim.x),
@@ -246,6 +254,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     // The acknowledgements' loads beside the selections' (the barriers of mark_selections or of the first batch order them).
     const Writable writable = b < T || owned > 0 ? ask_writable(p, seq, s_dok) : Writable{p, seq, s_dok};
     if (marked && (b < T || owned > 0)) mark_selections(p, s_marks, W);
+    PYEP_LL_STAMP(p, PYEP_LL_DS_MARKED);
     for (int u0 = b, asked = 0; u0 < T || asked < owned; u0 += kBatch * G) {
         const int P = u0 < T ? batch_units(u0, T) : 0, S = P * kTopk;
         const int own = owned - asked < kOwn ? owned - asked : kOwn;
@@ -278,38 +287,24 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
         }
         for (int q = tid; q < own; q += kThreads) s_g[S + q] = b + (asked + q) * G, s_t[S + q] = 0, s_before[S + q] = 0, s_total[S + q] = 0;
         __syncthreads();
-        // A thread a leg: whether its rank may be written.
-        for (int s = tid; s < S; s += kThreads) s_slot[s] = s_leg[s] == s && may_write(writable, s_g[s] / L) ? 1 : 0;
-        __syncthreads();
-        PYEP_LL_STAMP(p, PYEP_LL_DS_SETTLED);
-        if (marked)
-            count_marked(s_marks, W, s_g, s_t, S + own, s_before, s_total);
-        else
-            count_selections(p, s_g, s_t, S + own, s_before, s_total);
-        __syncthreads();
-        PYEP_LL_STAMP(p, PYEP_LL_DS_COUNTED);
-        // The flags of the experts the block asks about: ordered by the done words, not by themselves.
-        for (int q = tid; q < own; q += kThreads) {
-            const int g = s_g[S + q];
-            if (may_write(writable, g / L))
-                signal_peer<true>(p, g / L, flag(g), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[S + q]));
-        }
-        asked += own;
-        if (P == 0) {  // block-uniform
-            PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_SLOTS, PYEP_LL_DS_WRITTEN);  // a round with no token writes nothing
-            continue;
-        }
-        // A thread a leg that may be written: its header (staged, for a remote rank) and its body's place.
-        for (int s = tid; s < S; s += kThreads) {
-            if (kRemote) s_rslot[s] = 0;
-            if (s_slot[s] == 0) continue;
-            const int d = s_g[s] / L, t = s_t[s];
-            const u64 body = reinterpret_cast<u64>(region(p, d) + p.off_recv + message(t) * kBodyBytes);
-            const bool rem = is_remote(p, d);
+        // A thread a leg: whether its rank may be written, and if so its body's place there (which the
+        // token alone decides). A remote rank's body is placed by the put after the barrier (s_rslot).
+        // The header's place and an owned expert's flag are found here too, so that no load of the peer
+        // table waits behind the cast's stores.
+        for (int s = tid; s < S + own; s += kThreads) {
+            const int g = s_g[s], d = g / L, t = s_t[s];
+            if (s >= S) {
+                s_head[s] = may_write(writable, d) ? reinterpret_cast<u64>(flag(g)) : 0;
+                continue;
+            }
+            const bool leg = s_leg[s] == s && may_write(writable, d), rem = kRemote && leg && is_remote(p, d);
+            u8* at = leg ? region(p, d) : nullptr;
+            const u64 body = leg ? reinterpret_cast<u64>(at + p.off_recv + message(t) * kBodyBytes) : 0;
             s_slot[s] = rem ? 0 : body;
-            if (rem) s_rslot[s] = body;
-            write_header(rem ? staged_heads + (static_cast<u64>(d) * M + t) * p.msg_header : region(p, d) + p.off_heads + message(t) * p.msg_header,
-                         seq, s, s_g, s_t, s_before, s_leg, L, M);
+            if (kRemote) s_rslot[s] = rem ? body : 0;
+            s_head[s] = !leg ? 0
+                        : rem ? reinterpret_cast<u64>(staged_heads + (static_cast<u64>(d) * M + t) * p.msg_header)
+                              : reinterpret_cast<u64>(at + p.off_heads + message(t) * p.msg_header);
         }
         __syncthreads();
         if (kRemote) {
@@ -322,17 +317,41 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
                     }
             __syncthreads();
         }
-        PYEP_LL_STAMP(p, PYEP_LL_DS_SLOTS);
+        PYEP_LL_STAMP(p, PYEP_LL_DS_SETTLED);
         // Item it is chunk it % kChunks of the batch's token it / kChunks; warp w takes items w, w + kWarps, ...
-        const int total = P * kChunks;
-        for (int it0 = warp; it0 < total; it0 += kWarps * kCastBatch)
-            put_chunks(p, it0, kWarps, total, [&](int it, i32& tok, int& ch, const u64*& slots) {
-                const int i = it / kChunks;
-                ch = it % kChunks;
-                tok = u0 + i * G;
-                slots = s_slot + i * kTopk;
-            });
+        auto cast = [&] {
+            const int total = P * kChunks;
+            for (int it0 = warp; it0 < total; it0 += kWarps * kCastBatch)
+                put_chunks(p, it0, kWarps, total, [&](int it, i32& tok, int& ch, const u64*& slots) {
+                    const int i = it / kChunks;
+                    ch = it % kChunks;
+                    tok = u0 + i * G;
+                    slots = s_slot + i * kTopk;
+                });
+        };
+        // The bodies first: their writes drain while the slots are counted and the headers written.
+        if (kCastFirst) cast();
         PYEP_LL_STAMP(p, PYEP_LL_DS_CAST);
+        if (marked)
+            count_marked(s_marks, W, s_g, s_t, S + own, s_before, s_total);
+        else
+            count_selections(p, s_g, s_t, S + own, s_before, s_total);
+        __syncthreads();
+        PYEP_LL_STAMP(p, PYEP_LL_DS_COUNTED);
+        // The flags of the experts the block asks about: ordered by the done words, not by themselves.
+        for (int q = tid; q < own; q += kThreads)
+            if (s_head[S + q] != 0)
+                signal_peer<true>(p, s_g[S + q] / L, reinterpret_cast<u64*>(s_head[S + q]), static_cast<u64>(seq) << 32 | static_cast<u32>(s_total[S + q]));
+        asked += own;
+        if (P == 0) {  // block-uniform
+            PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_HEADERS, PYEP_LL_DS_WRITTEN);  // a round with no token writes nothing
+            continue;
+        }
+        // A thread a leg that may be written (a body placed, or to be put): its header (staged, for a remote rank).
+        for (int s = tid; s < S; s += kThreads)
+            if (s_head[s] != 0) write_header(reinterpret_cast<u8*>(s_head[s]), seq, s, s_g, s_t, s_before, s_leg, L, M);
+        PYEP_LL_STAMP(p, PYEP_LL_DS_HEADERS);
+        if (!kCastFirst) cast();
         __syncthreads();  // the block's messages are written
         PYEP_LL_STAMP(p, PYEP_LL_DS_WRITTEN);
         if (kRemote)
@@ -344,7 +363,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
                              p.msg_header);
                 }
     }
-    if (b >= T && owned == 0) PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_SETTLED, PYEP_LL_DS_WRITTEN);  // a block with nothing to do
+    if (b >= T && owned == 0) PYEP_LL_STAMPS_AT_ONCE(p, PYEP_LL_DS_MARKED, PYEP_LL_DS_WRITTEN);  // a block with nothing to do
     // Every block, once its messages are written (or put) and its flags stored: its share to this rank's
     // done word at every rank not masked, a thread a rank, each after a fence (which the barrier makes
     // cover the whole block's stores).

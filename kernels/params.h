@@ -184,10 +184,11 @@ struct pyep_ll_error {
 // X(id, kernel, phase), kernel by kernel in phase order; goep/cuda/lowlatency names them.
 #define PYEP_LL_STAMP_LIST(X)                                                                    \
     X(DS_START, "dispatch send", "start")                                                        \
-    X(DS_SETTLED, "dispatch send", "settled")   /* selections read, acknowledgements awaited */  \
-    X(DS_COUNTED, "dispatch send", "counted")   /* count_selections: every selection's slot */   \
-    X(DS_SLOTS, "dispatch send", "slots")       /* the owned experts' flags, slot addresses */  \
+    X(DS_MARKED, "dispatch send", "marked")     /* acknowledgements asked, selections marked */  \
+    X(DS_SETTLED, "dispatch send", "settled")   /* a batch's legs, their ranks' answers, bodies' places */ \
     X(DS_CAST, "dispatch send", "cast")         /* thread 0's warp cast and wrote its chunks */  \
+    X(DS_COUNTED, "dispatch send", "counted")   /* every selection's slot counted */             \
+    X(DS_HEADERS, "dispatch send", "headers")   /* the owned experts' flags, thread 0's header */ \
     X(DS_WRITTEN, "dispatch send", "written")   /* the block's barrier: every row written */     \
     X(DS_FENCED, "dispatch send", "fenced")     /* thread 0's fence before its done add */     \
     X(DS_FLAGGED, "dispatch send", "flagged")   /* thread 0's done add issued */               \
