@@ -330,7 +330,7 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq, u32 /* a dispatch's se
         int rk[kTopk];  // selection k's rank, or -1 (none, or masked)
 #pragma unroll
         for (int k = 0; k < kTopk; k++) {
-            const int s = g[k] >= 0 && g[k] < E ? static_cast<int>(g[k] / L) : -1;
+            const int s = g[k] >= 0 && g[k] < E ? static_cast<int>(g[k]) / L : -1;
             rk[k] = s >= 0 && (s < kMaskCache ? s_mask[s] : (masked(p, s) ? 1 : 0)) == 0 ? s : -1;
         }
         int lead[kTopk];  // at a rank's first selection: how many selections it has (else 0)

@@ -271,7 +271,7 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
                 bool first = e[k] >= 0 && e[k] < E;
 #pragma unroll
                 for (int k2 = 0; k2 < k; k2++) first = first && e[k2] != e[k];
-                d[k] = first ? static_cast<int>(e[k] / L) : -1;
+                d[k] = first ? static_cast<int>(e[k]) / L : -1;  // 32-bit: e[k] < E
                 const int s = i * kTopk + k;
                 s_g[s] = first ? static_cast<i32>(e[k]) : -1;
                 s_t[s] = t, s_before[s] = 0, s_total[s] = 0;
@@ -377,8 +377,8 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
     PYEP_LL_STAMP(p, PYEP_LL_DS_FLAGGED);
 }
 
-// Receive: the done words first (a thread a source), then the flags (a thread an (expert, source)
-// pair): pair (j, s)'s count and, by their prefix sums, its first row among j's. Once s's done word
+// Receive: the flags (a thread an (expert, source) pair: pair (j, s)'s count and, by their prefix
+// sums, its first row among j's) and the done words (a thread a source). Once s's done word
 // reached dseq * kDoneShares (dseq: the call's seq among the half's dispatch calls, run_phases),
 // every message and flag of s's for this call is written, and a message's
 // header is the one with this call's seq. An item is an entry of a message: the message's body becomes row
@@ -386,27 +386,57 @@ PYEP_DEVICE void dispatch_send(const LLParams& p, u32 seq) {
 // blocks by the prefix sums of the messages' entries; a message's body is read once an entry (the
 // repeats are L2 hits).
 
+// PYEP_LL_COUNTS_BESIDE=0: the balanced receive reads the flags after the done words, for comparison.
+#ifndef PYEP_LL_COUNTS_BESIDE
+#define PYEP_LL_COUNTS_BESIDE 1
+#endif
+constexpr bool kCountsBeside = PYEP_LL_COUNTS_BESIDE != 0;
+
 // What the count n of a flag that arrived says, at most M rows.
 PYEP_DEVICE int flag_count(const LLParams& p, u64 v) {
     const int n = static_cast<int>(static_cast<u32>(v));
     return n < p.max_tokens ? n : p.max_tokens;
 }
 
-// Waits until every source's done word says that its messages and flags of this call are written
-// (a thread a source; 0 for a source masked or timed out), then the block's barrier, which orders
-// every thread's reads of them after the waits. Block r % G adds source r's wait to its statistics.
+// Adds spent ns to source r's wait statistics (when the call asked for them).
+PYEP_DEVICE void add_wait(const LLParams& p, int r, u64 spent) {
+    if (p.wait_stats != 0) atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + r, static_cast<unsigned long long>(spent));
+}
+
+// One thread waits until source r's done word says that its messages and flags of this call are
+// written (or r is masked or timed out); block r % G adds the wait to r's statistics. A barrier
+// after it orders every thread's reads of them after the wait. Returns false when r was lost in
+// the wait (masked by then, or timed out), true when it arrived or was masked before.
+PYEP_DEVICE bool await_source(const LLParams& p, int r, u32 dseq) {
+    if (masked(p, r)) return true;
+    const u64* w = done_word(p, p.rank, r);
+    const u64 want = static_cast<u64>(dseq) * kDoneShares;
+    u64 spent;
+    const bool ok = thread_wait(p, r, kWaitDispatch, [&] { return ld_acquire_sys(w) >= want; }, spent);
+    if (r % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x)) add_wait(p, r, spent);
+    return ok;
+}
+
+// Every source's done word (a thread a source), then the block's barrier.
 PYEP_DEVICE void wait_sources(const LLParams& p, u32 dseq) {
-    const int G = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
-    for (int r = static_cast<int>(threadIdx.x); r < p.num_ranks; r += kThreads) {
-        if (masked(p, r)) continue;
-        const u64* w = done_word(p, p.rank, r);
-        const u64 want = static_cast<u64>(dseq) * kDoneShares;
-        u64 spent;
-        thread_wait(p, r, kWaitDispatch, [&] { return ld_acquire_sys(w) >= want; }, spent);
-        if (r % G == b && p.wait_stats != 0)
-            atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + r, static_cast<unsigned long long>(spent));
-    }
+    for (int r = static_cast<int>(threadIdx.x); r < p.num_ranks; r += kThreads) await_source(p, r, dseq);
     __syncthreads();
+}
+
+// Source r's count of messages for local expert j, read without its done word: the flag holds the
+// call's seq beside the count and is stored once a call, early in the source's send (the owning
+// block's first batch). Waits until it holds this call's seq; 0 when r is masked or timed out. Pair
+// (j, r)'s owner (owner: its block) adds the wait to r's statistics.
+PYEP_DEVICE int await_count(const LLParams& p, int j, int r, u32 seq, bool owner) {
+    const bool gone = masked(p, r);  // its load in flight with the flag's
+    const u64* f = reinterpret_cast<const u64*>(local(p) + p.off_dflags) + j * p.num_ranks + r;
+    u64 v = 0, spent;
+    const bool ok = thread_wait(p, r, kWaitDispatch, [&] {
+        v = ld_relaxed_sys(f);
+        return static_cast<u32>(v >> 32) == seq;
+    }, spent);
+    if (owner && ok) add_wait(p, r, spent);
+    return ok && !gone ? flag_count(p, v) : 0;
 }
 
 // Source r's count of messages for local expert j, after wait_sources (0 when r is masked or timed
@@ -527,18 +557,30 @@ PYEP_DEVICE void dispatch_recv_balanced(const LLParams& p, u32 seq, u32 dseq) {
     i32* s_first = reinterpret_cast<i32*>(dispatch_arena());  // pair c's first row among all received; [NP] = rows
     i32* s_mfirst = s_first + NP + 1;                           // message i's first item; [NM] = items
     PYEP_LL_STAMP_START(p, PYEP_LL_DR_START, PYEP_LL_DR_DONE);
-    wait_sources(p, dseq);
-    const int4 head0 = tid < NM ? message_head(p, tid) : int4{};  // in flight with the counts
-    int carry = 0;
-    for (int c0 = 0; c0 < NP; c0 += kThreads) {  // block-uniform
-        const int c = c0 + tid;
-        const int n = c < NP ? arrived_count(p, c / R, c % R, seq) : 0;
-        int total;
-        const int before = block_exclusive_sum(n, s_warp, total);
-        if (c < NP) s_first[c] = carry + before;
-        carry += total;
-    }
+    // The counts beside the done words (when the block has a thread for each pair and each source):
+    // the flags come early in the sources' sends, their done words last, so the counts' prefix sums
+    // are taken while the messages still arrive; threads kThreads - 1 - r wait for the done words,
+    // and the sums' barriers order every later read after them. Otherwise the done words first.
+    // A source lost in that wait (masked or timed out) counts nothing: the sums are taken again.
+    const bool beside = kCountsBeside && NP + R <= kThreads;  // block-uniform
+    const bool lost = beside && tid >= kThreads - R && !await_source(p, kThreads - 1 - tid, dseq);
+    if (!beside) wait_sources(p, dseq);
+    auto sum_counts = [&](bool early) {
+        int carry = 0;
+        for (int c0 = 0; c0 < NP; c0 += kThreads) {  // block-uniform
+            const int c = c0 + tid;
+            const int n = c >= NP ? 0 : early ? await_count(p, c / R, c % R, seq, c % G == b) : arrived_count(p, c / R, c % R, seq);
+            int total;
+            const int before = block_exclusive_sum(n, s_warp, total);
+            if (c < NP) s_first[c] = carry + before;
+            carry += total;
+        }
+        return carry;
+    };
+    int carry = sum_counts(beside);
+    if (beside && __syncthreads_or(lost)) carry = sum_counts(false);
     if (tid == 0) s_first[NP] = carry;
+    const int4 head0 = tid < NM ? message_head(p, tid) : int4{};  // after the done words
     __syncthreads();
     PYEP_LL_STAMP(p, PYEP_LL_DR_FLAGS);
     for (int c = b + tid * G; c < NP; c += kThreads * G) {
