@@ -14,6 +14,15 @@ rank (the greatest max end of its last phase):
 
     PYEP_BACKEND=cuda torchrun --nproc-per-node 2 bench/device/ll_profile.py --timeline
 
+With --timeline --twice every iteration makes a second hooked dispatch right after the first one's hook, and the
+second's kernels are reported apart ("after a dispatch"): the same code just ran on every SM, while the first follows a
+combine's kernels (whether the kernels' first phases wait on instruction fetches).
+
+With --kineto the script times whole (unhooked) calls instead, as DeepEP's harness does (torch's profiler, every
+kernel's duration on the device): sequences of calls repeated back to back ("dc": a dispatch then a combine, as the
+harness; "ddc": two dispatches then a combine; "d": dispatches only), and prints the median duration of the kernel at
+each place of a sequence.
+
 Each rank takes GPU local_rank % count; pyep's exchanges go over a gloo group (no NCCL kernel to filter out).
 """
 import argparse
@@ -32,6 +41,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=288)
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--timeline", action="store_true", help="stamp each phase of each block and print where time goes")
+    ap.add_argument("--twice", action="store_true", help="with --timeline: a second dispatch after each, reported apart")
+    ap.add_argument("--kineto", default="", help="time unhooked calls in these comma-separated sequences, e.g. dc,ddc,d")
     args = ap.parse_args()
     if args.timeline:
         os.environ["PYEP_LL_TIMELINE"] = "1"  # read when the Buffer is made
@@ -61,13 +72,25 @@ def main() -> None:
 
     buffer.clean_low_latency_buffer(M, H, E)
     alone()
+    if args.kineto:
+        kineto_sequences(buffer, x, topk_idx, weights, M, E, args.kineto.split(","), args.iters, rank, alone)
+        buffer.destroy()
+        dist.destroy_process_group()
+        return
+
+    def hooked_dispatch():
+        got = buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=True, return_recv_hook=True)
+        alone()
+        got[-1]()
+        alone()
+        return got
+
     timelines = []
     for it in range(args.iters):
-        (recv, scales), count, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=True,
-                                                                              return_recv_hook=True)
-        alone()
-        hook()
-        alone()
+        (recv, scales), count, handle, _, hook = hooked_dispatch()
+        if args.timeline and args.twice:
+            first = buffer._low_latency_timeline()  # this iteration's first dispatch (and the last one's combine)
+            (recv, scales), count, handle, _, hook = hooked_dispatch()
         rows = recv.to(torch.bfloat16)  # the values do not matter to the profile, only the shapes
         _, _, hook = buffer.low_latency_combine(rows, topk_idx, weights, handle, return_recv_hook=True)
         alone()
@@ -75,6 +98,11 @@ def main() -> None:
         alone()
         if args.timeline:
             phases, stamps = buffer._low_latency_timeline()
+            if args.twice:  # the first dispatch's kernels under their names, the second's as "after a dispatch"
+                cols = [i for i, (k, _) in enumerate(first[0]) if k.startswith("dispatch")]
+                phases = [(k, ph) for k, ph in first[0] if k.startswith("dispatch")] + [
+                    (k + " after a dispatch" if k.startswith("dispatch") else k, ph) for k, ph in phases]
+                stamps = torch.cat([first[1][:, cols], stamps], dim=1)
             if it > 0:  # the first calls meet cold caches and TLBs
                 timelines.append(stamps)
     if args.timeline:
@@ -88,6 +116,54 @@ def main() -> None:
               f"top-{K} of {E}", flush=True)
     buffer.destroy()
     dist.destroy_process_group()
+
+
+def kineto_sequences(buffer, x, topk_idx, weights, M: int, E: int, seqs: list, iters: int, rank: int, alone) -> None:
+    """Unhooked calls in each sequence of seqs ("d" a dispatch, "c" a combine of the last dispatch's rows), the
+    sequence repeated 4 * iters times back to back under torch's profiler; rank 0 prints, per place in the sequence,
+    the median and min device duration of pyep's low-latency kernel there (each rank's, so the slower shows)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    (recv, _), _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=True)
+    rows = recv.to(torch.bfloat16)
+    buffer.low_latency_combine(rows, topk_idx, weights, handle)
+    alone()
+    lines = []
+    for seq in seqs:
+        def once():
+            nonlocal handle
+            for op in seq:
+                if op == "d":
+                    handle = buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=True)[2]
+                else:
+                    buffer.low_latency_combine(rows, topk_idx, weights, handle)
+        for _ in range(4):
+            once()
+        alone()
+        with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+            for _ in range(4 * iters):
+                once()
+            alone()
+        kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                          and "pyep" in e.name and ("dispatch" in e.name or "combine" in e.name)),
+                         key=lambda e: e.time_range.start)
+        n = len(seq)
+        if len(kernels) != n * 4 * iters:
+            lines.append(f"  {seq}: {len(kernels)} kernels seen, expected {n * 4 * iters} (names: "
+                         f"{sorted({e.name for e in kernels})})")
+            continue
+        cells = []
+        for j, op in enumerate(seq):
+            d = [e.time_range.elapsed_us() for e in kernels[j::n]]
+            cells.append(f"{op}{j}: {statistics.median(d):6.2f} (min {min(d):6.2f})")
+        lines.append(f"  {seq:<6} " + "   ".join(cells))
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, lines)
+    if rank == 0:
+        print(f"ll_profile --kineto: {4 * iters} repeats a sequence, device µs of each place's kernel, median (min)")
+        for r, ls in enumerate(got):
+            print(f"rank {r}:")
+            print("\n".join(ls), flush=True)
 
 
 def timeline_report(phases: list, timelines: list) -> dict:
