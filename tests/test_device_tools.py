@@ -1,0 +1,60 @@
+"""bench/device's tools that read what a GPU run left: `ll_chain.py --traces`, which lays the low-latency kernels of
+DeepEP's harness (chrome traces, a rank each) side by side. Local to each process: no group, no GPU."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LL_CHAIN = os.path.join(ROOT, "bench", "device", "ll_chain.py")
+
+
+def write_trace(path: str, first_us: float, dispatch_us: float, name: str) -> None:
+    """30 dispatch + combine pairs, the first dispatch first_us long, the others dispatch_us, each combine 25 µs,
+    after an all_reduce kernel; a runtime call named like a kernel, which the reader must leave out."""
+    events = [{"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 0.0, "dur": 6.0},
+              {"ph": "X", "cat": "cuda_runtime", "name": "dispatch launch", "ts": 1.0, "dur": 3.0}]
+    t = 10.0
+    for i in range(30):
+        d = first_us if i == 0 else dispatch_us
+        events.append({"ph": "X", "cat": "kernel", "name": f"void {name}::dispatch<8>(params)", "ts": t, "dur": d})
+        t += d + 1.0
+        events.append({"ph": "X", "cat": "kernel", "name": f"void {name}::combine<8>(params)", "ts": t, "dur": 25.0})
+        t += 26.0
+    with open(path, "w") as f:
+        json.dump({"baseTimeNanoseconds": 1_000_000_000, "traceEvents": events}, f)
+
+
+def read(paths: list) -> str:
+    got = subprocess.run([sys.executable, LL_CHAIN, "--traces", *paths], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    return got.stdout
+
+
+def test_ll_chain_reads_the_harness_traces(tmp_path):
+    a, b = str(tmp_path / "rank0.json"), str(tmp_path / "rank1.json")
+    write_trace(a, 120.0, 20.0, "deep_ep::internode_ll")
+    write_trace(b, 110.0, 19.0, "deep_ep::internode_ll")
+    out = read([a, b])
+    assert "2 ranks, 1 reps of 30 dispatch + combine pairs" in out
+    dispatch, combine = out.split("\ncombine:")
+    # The harness's figure is the mean over all 30 calls, the first included: (120 + 29 * 20) / 30 and
+    # (110 + 29 * 19) / 30; the first call is shown apart, the median of the others is theirs.
+    assert "rank 0 23.33, rank 1 22.03 µs; the first of a rep: rank 0 120.0, rank 1 110.0 µs" in dispatch
+    rows = [line.split() for line in dispatch.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("0", "20.00", "20.00"), ("1", "19.00", "19.00")]
+    assert "rank 0 25.00, rank 1 25.00 µs" in combine
+
+
+def test_ll_chain_reads_pyep_kernels_and_refuses_a_short_trace(tmp_path):
+    a, b = str(tmp_path / "rank0.json"), str(tmp_path / "rank1.json")
+    write_trace(a, 20.0, 20.0, "pyep::ll")
+    with open(a) as f:
+        trace = json.load(f)
+    trace["traceEvents"] = trace["traceEvents"][:-2]  # rank 1 saw a pair less
+    with open(b, "w") as f:
+        json.dump(trace, f)
+    out = read([a, a])
+    assert "rank 0 20.00, rank 1 20.00 µs" in out
+    out = read([a, b])
+    assert "rank 1: 58 low-latency kernels seen, expected 60: no table" in out
