@@ -3,7 +3,7 @@ host's clock, so that the ranks' kernels can be laid side by side: which rank's 
 waits for the other, and where each rank's device sits idle between two calls.
 
     PYEP_BACKEND=cuda torchrun --nproc-per-node 2 bench/device/ll_chain.py [--reps 4] [--calls 30] \
-        [--trace-from harness|early|now] [--fresh] [--seed 1] [--json FILE]
+        [--trace-from harness|early|now] [--fresh] [--seed 1] [--json FILE] [--timeline-first]
     python3 bench/device/ll_chain.py --traces RANK0.json RANK1.json   (deepep_ll_trace.py's traces)
 
 The loop is the harness's: a large GEMM and an all_reduce over NCCL (a kernel: the host queues the calls while the
@@ -32,6 +32,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 
 
@@ -46,6 +47,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--trace-from", choices=("harness", "early", "now"), default="harness",
                     help="when the profiler starts tracing (see the comment at the profile)")
+    ap.add_argument("--timeline-first", action="store_true",
+                    help="the timeline build (PYEP_LL_TIMELINE=1): print where the first traced pair's blocks spent "
+                         "their time (the device is synchronized after that pair)")
     ap.add_argument("--fresh", action="store_true", help="torch.cuda.empty_cache() before each rep's GEMM")
     ap.add_argument("--json", default="", help="rank 0 writes every rank's kernels and host times there")
     ap.add_argument("--traces", nargs="*", help="only read these chrome traces (a rank each, in order: "
@@ -53,6 +57,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.traces:
         return read_traces(args)
+    if args.timeline_first:
+        os.environ["PYEP_LL_TIMELINE"] = "1"  # read when the Buffer is made
     import torch  # the traces' reader needs no torch
     import torch.distributed as dist
     os.environ.setdefault("PYEP_BACKEND", "cuda")
@@ -115,18 +121,29 @@ def main() -> None:
 
     with profile(activities=[ProfilerActivity.CUDA], on_trace_ready=collect,
                  schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=args.reps, repeat=1)) as prof:
-        for _ in range(wait + warmup + args.reps):
+        for step in range(wait + warmup + args.reps):
             if args.fresh:
                 torch.cuda.empty_cache()  # the next allocations are new mappings
             lhs = torch.randn((8192, 8192), dtype=torch.float, device="cuda")
             rhs = torch.randn((8192, 8192), dtype=torch.float, device="cuda")
             lhs @ rhs
             dist.all_reduce(torch.ones(1, dtype=torch.float, device="cuda"), group=barrier_group)
-            for _ in range(args.calls):
+            for i in range(args.calls):
                 pair(host)
+                if args.timeline_first and i == 0 and step == wait + warmup:
+                    torch.cuda.synchronize()  # the first traced pair's stamps; the loop's later calls meet the host
+                    first_stamps = buffer._low_latency_timeline()
             torch.cuda.synchronize()
             prof.step()
     kernels = [(s, e, launches.get(c, 0)) for s, e, c in sorted(kernels)]
+    if args.timeline_first:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from ll_profile import print_timeline, timeline_report
+        reports = [None] * R
+        dist.all_gather_object(reports, timeline_report(first_stamps[0], [first_stamps[1]]), group=group)
+        if rank == 0:
+            print("ll_chain --timeline-first: the first traced pair's kernels", flush=True)
+            print_timeline(reports, 1)
 
     plain = {"d": [], "c": []}
     for _ in range(args.calls):
