@@ -1,7 +1,8 @@
-"""Host time of pyep's normal-mode calls, one rank, one GPU (or the cpu backend): where each call's microseconds go.
+"""Host time of pyep's calls, one rank, one GPU (or the cpu backend): where each call's microseconds go.
 
     python bench/hostpath.py                      # 4096 tokens, hidden 7168, top-8 of 256 experts, Buffer.num_sms
     python bench/hostpath.py --tokens 1024 --iters 500 --json out.json
+    python bench/hostpath.py --ll                 # low-latency mode: 128 tokens, hidden 7168, top-8 of 288 experts
 
 For get_dispatch_layout, dispatch (BF16, FP8), cached dispatch and combine it times, per call, with the device idle
 before each one (torch.cuda.synchronize) and the medians of --iters calls:
@@ -19,6 +20,11 @@ handle it takes: the dispatch allocates ahead the combine's outputs (combine_aga
 which allocates them). The layout also plans its dispatch, and the dispatch its combine (README, "Notes on the Go
 binding"): with PYEP_PLANS=0 they run unplanned, for an A/B. A pyep build without LastEntryNs (before the host path)
 still gives launch and return.
+
+With --ll the calls are low-latency mode's, on a low-latency Buffer of the one rank: ll_dispatch_fp8 and
+ll_dispatch_bf16 (unhooked), ll_combine (after a dispatch, untimed, whose handle it takes), ll_dispatch_send (a
+dispatch with return_recv_hook=True: the send; its hook is called after, untimed) and ll_dispatch_hook (that hook:
+the receive, after an untimed hooked dispatch). --harness times the unhooked dispatches.
 """
 import argparse
 import json
@@ -27,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -41,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--ll", action="store_true", help="low-latency mode's calls instead of normal mode's")
+    p.add_argument("--ll-tokens", type=int, default=128, help="with --ll: num_max_dispatch_tokens_per_rank, all sent")
+    p.add_argument("--ll-experts", type=int, default=288)
     p.add_argument("--sms", type=int, default=None, help="Buffer.set_num_sms (default: pyep's)")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
@@ -80,11 +90,78 @@ def main(argv=None):
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
     group = dist.group.WORLD
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    setup = (low_latency_calls if args.ll else normal_calls)(args, group, device)
+    calls, preps = setup.calls, setup.preps
+    rid = setup.buffer.runtime.id
+    if cuda and args.side_stream:
+        torch.cuda.synchronize()
+        torch.cuda.set_stream(torch.cuda.Stream())
+    if args.default_device:  # after the inputs (made from a cpu generator), before the timed calls
+        torch.set_default_device(device)
+    columns = ("python", "core", "driver", "go", "launch", "return")
+    report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "pyep": pyep.__version__,
+              "plans": os.environ.get("PYEP_PLANS", "1") != "0", "side_stream": bool(cuda and args.side_stream),
+              **setup.shape, "iters": args.iters, "median_us": {}, "samples_us": {}}
+    print(f"pyep {pyep.__version__} on {report['device']}: {setup.title}; medians of {args.iters} calls, the device "
+          f"idle before each (µs); plans "
+          f"{'on' if report['plans'] else 'off (PYEP_PLANS=0)'}, {'a stream of its own' if report['side_stream'] else 'the default stream'}")
+    print(f"{'call':16s}" + "".join(f"{c:>10s}" for c in columns))
+    for name, call in calls.items():
+        samples = {c: [] for c in columns}
+        prep = preps.get(name)
+        for i in range(args.warmup + args.iters):
+            if prep is not None:
+                prep()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            call()
+            t1 = time.perf_counter_ns()
+            entry, start, launch = stamps(rid, cuda)
+            if name in setup.posts:
+                setup.posts[name]()
+            if i < args.warmup:
+                continue
+            samples["return"].append((t1 - t0) / 1e3)
+            if entry is not None:
+                samples["python"].append((entry - t0) / 1e3)
+            if launch is not None:
+                samples["launch"].append((launch - t0) / 1e3)
+                if entry is not None:
+                    samples["go"].append((launch - entry) / 1e3)
+                if start is not None:
+                    samples["driver"].append((launch - start) / 1e3)
+                    if entry is not None:
+                        samples["core"].append((start - entry) / 1e3)
+        if name in setup.after:
+            setup.after[name]()
+        med = {c: round(statistics.median(v), 2) if v else None for c, v in samples.items()}
+        report["median_us"][name] = med
+        report["samples_us"][name] = samples
+        print(f"{name:16s}" + "".join(f"{'-' if med[c] is None else format(med[c], '.1f'):>10s}" for c in columns))
+    if cuda and args.harness:
+        # Low-latency mode: the unhooked dispatches only (a combine back to back would reuse one handle).
+        report["harness_us"] = harness({n: calls[n] for n in ("ll_dispatch_fp8", "ll_dispatch_bf16")} if args.ll
+                                       else calls)
+    if cuda:
+        torch.cuda.synchronize()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    time.sleep(0.1)  # gloo's worker threads release the barrier's tensors (see README, Known issues)
+    return report
+
+
+def normal_calls(args, group, device) -> SimpleNamespace:
+    """A normal-mode Buffer of the one rank and its calls at args' shape: buffer; calls; preps (untimed, before each
+    call), posts (untimed, after each) and after (once after a call's samples), by call; shape (for the report) and
+    title."""
     if args.sms:
         pyep.Buffer.set_num_sms(args.sms)
     T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
     buffer = pyep.Buffer(group, pyep.Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(H * 2, 1))
-    rid = buffer.runtime.id
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, H, generator=g).to(device)
     x_bf16 = x.to(torch.bfloat16)
@@ -120,62 +197,49 @@ def main(argv=None):
         # The same combine after a combine, with no dispatch between: nothing was allocated ahead for it.
         "combine_again": lambda: buffer.combine(y, state["handle"], topk_weights=state["recv_w"]),
     }
-    if cuda and args.side_stream:
-        torch.cuda.synchronize()
-        torch.cuda.set_stream(torch.cuda.Stream())
-    if args.default_device:  # after the inputs (made from a cpu generator), before the timed calls
-        torch.set_default_device(device)
-    columns = ("python", "core", "driver", "go", "launch", "return")
-    report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "pyep": pyep.__version__,
-              "plans": os.environ.get("PYEP_PLANS", "1") != "0", "side_stream": bool(cuda and args.side_stream),
-              "tokens": T, "hidden": H, "topk": K, "experts": E, "num_sms": pyep.Buffer.num_sms, "iters": args.iters,
-              "median_us": {}, "samples_us": {}}
-    print(f"pyep {pyep.__version__} on {report['device']}: {T} tokens, hidden {H}, top-{K} of {E} experts, "
-          f"{pyep.Buffer.num_sms} SMs; medians of {args.iters} calls, the device idle before each (µs); plans "
-          f"{'on' if report['plans'] else 'off (PYEP_PLANS=0)'}, {'a stream of its own' if report['side_stream'] else 'the default stream'}")
-    print(f"{'call':16s}" + "".join(f"{c:>10s}" for c in columns))
-    for name, call in calls.items():
-        samples = {c: [] for c in columns}
-        prep = preps.get(name)
-        for i in range(args.warmup + args.iters):
-            if prep is not None:
-                prep()
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter_ns()
-            call()
-            t1 = time.perf_counter_ns()
-            entry, start, launch = stamps(rid, cuda)
-            if i < args.warmup:
-                continue
-            samples["return"].append((t1 - t0) / 1e3)
-            if entry is not None:
-                samples["python"].append((entry - t0) / 1e3)
-            if launch is not None:
-                samples["launch"].append((launch - t0) / 1e3)
-                if entry is not None:
-                    samples["go"].append((launch - entry) / 1e3)
-                if start is not None:
-                    samples["driver"].append((launch - start) / 1e3)
-                    if entry is not None:
-                        samples["core"].append((start - entry) / 1e3)
-        if name == "layout":
-            new_layout()  # the calls after it pass the last layout's tensors, as a model's dispatch does
-        med = {c: round(statistics.median(v), 2) if v else None for c, v in samples.items()}
-        report["median_us"][name] = med
-        report["samples_us"][name] = samples
-        print(f"{name:16s}" + "".join(f"{'-' if med[c] is None else format(med[c], '.1f'):>10s}" for c in columns))
-    if cuda and args.harness:
-        report["harness_us"] = harness(calls)
-    if cuda:
-        torch.cuda.synchronize()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    time.sleep(0.1)  # gloo's worker threads release the barrier's tensors (see README, Known issues)
-    return report
+    return SimpleNamespace(
+        buffer=buffer, calls=calls, preps=preps, posts={},
+        after={"layout": new_layout},  # the calls after it pass the last layout's tensors, as a model's dispatch does
+        shape={"tokens": T, "hidden": H, "topk": K, "experts": E, "num_sms": pyep.Buffer.num_sms},
+        title=f"{T} tokens, hidden {H}, top-{K} of {E} experts, {pyep.Buffer.num_sms} SMs")
+
+
+def low_latency_calls(args, group, device) -> SimpleNamespace:
+    """A low-latency Buffer of the one rank and its calls (the module's docstring), as normal_calls's. A hooked
+    dispatch's hook is called before the next call, so that at most one awaits its hook."""
+    M, H, K, E = args.ll_tokens, args.hidden, args.topk, args.ll_experts
+    buffer = pyep.Buffer(group, num_rdma_bytes=pyep.Buffer.get_low_latency_rdma_size_hint(M, H, 1, E),
+                         low_latency_mode=True, num_qps_per_rank=E)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(M, H, generator=g) * 0.1).to(torch.bfloat16).to(device)
+    topk = torch.rand(M, E, generator=g).topk(K, dim=1).indices.to(device)
+    weights = torch.rand(M, K, generator=g).to(device)
+    (recv, _), _, handle, _, _ = buffer.low_latency_dispatch(x, topk, M, E, use_fp8=True)
+    y = recv.to(torch.bfloat16)  # the combine's input, the experts' rows
+    state = {"handle": handle, "hook": None}
+
+    def new_dispatch():  # a combine's dispatch, as in a layer
+        state["handle"] = buffer.low_latency_dispatch(x, topk, M, E, use_fp8=True)[2]
+
+    def hooked():
+        state["hook"] = buffer.low_latency_dispatch(x, topk, M, E, use_fp8=True, return_recv_hook=True)[4]
+
+    def receive():
+        hook, state["hook"] = state["hook"], None
+        hook()
+
+    calls = {
+        "ll_dispatch_fp8": lambda: buffer.low_latency_dispatch(x, topk, M, E, use_fp8=True),
+        "ll_dispatch_bf16": lambda: buffer.low_latency_dispatch(x, topk, M, E, use_fp8=False),
+        "ll_combine": lambda: buffer.low_latency_combine(y, topk, weights, state["handle"]),
+        "ll_dispatch_send": hooked,
+        "ll_dispatch_hook": receive,
+    }
+    preps = {"ll_combine": new_dispatch, "ll_dispatch_hook": hooked}
+    return SimpleNamespace(
+        buffer=buffer, calls=calls, preps=preps, posts={"ll_dispatch_send": receive}, after={},
+        shape={"low_latency": True, "tokens": M, "hidden": H, "topk": K, "experts": E},
+        title=f"low-latency mode, {M} tokens, hidden {H}, top-{K} of {E} experts")
 
 
 def harness(calls, warmups=50, tests=50):

@@ -23,6 +23,7 @@ func LowLatencySizeHint(maxTokens, hidden, numRanks, numExperts int) (n int64, e
 func LowLatencyDispatch(id int64, maxTokens, hidden, numExperts, numTokens, numTopk int,
 	useFP8, roundScale, useUE8M0, hook bool,
 	x, topkIdx, recvX, recvScales, srcInfo, layoutRange, count, cumStats, waitStats, stream uintptr) (seq int64, err error) {
+	entered()
 	defer guard("LowLatencyDispatch", &err)
 	b, err := lookup(id)
 	if err != nil {
@@ -38,6 +39,7 @@ func LowLatencyDispatch(id int64, maxTokens, hidden, numExperts, numTokens, numT
 // LowLatencyCombine runs low_latency_combine; with hook only its send phase.
 func LowLatencyCombine(id int64, maxTokens, hidden, numExperts, numTokens, numTopk int, zeroCopy, hook bool,
 	x, topkIdx, topkWeights, srcInfo, layoutRange, out, waitStats, stream uintptr) (seq int64, err error) {
+	entered()
 	defer guard("LowLatencyCombine", &err)
 	b, err := lookup(id)
 	if err != nil {
@@ -51,6 +53,7 @@ func LowLatencyCombine(id int64, maxTokens, hidden, numExperts, numTokens, numTo
 
 // LowLatencyReceive is the receive hook of call seq (on cuda, queued on stream).
 func LowLatencyReceive(id, seq int64, stream uintptr) (err error) {
+	entered()
 	defer guard("LowLatencyReceive", &err)
 	b, err := lookup(id)
 	if err != nil {

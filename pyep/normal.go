@@ -18,14 +18,16 @@ import (
 // Every check is goep's; each export returns an int64 (gopy's string returns cost an
 // allocation).
 
-// lastEntry is CLOCK_MONOTONIC when the latest normal-mode export was entered (LastEntryNs).
+// lastEntry is CLOCK_MONOTONIC when the latest per-call export (normal or low-latency mode) was
+// entered (LastEntryNs).
 var lastEntry atomic.Int64
 
 // entered stamps the entry of an export: with BufferLastLaunchNs, where a call's host time goes.
 func entered() { lastEntry.Store(driver.MonotonicNS()) }
 
 // LastEntryNs is CLOCK_MONOTONIC (Python's time.perf_counter clock), in nanoseconds, when the
-// latest normal-mode export of this process was entered: the Python part of a call ends there.
+// latest per-call export of this process (normal or low-latency mode) was entered: the Python part
+// of a call ends there.
 func LastEntryNs() int64 { return lastEntry.Load() }
 
 // TorchNames is "dtypes;device types", each space-separated in the order of goep.DTypeNames and

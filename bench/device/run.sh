@@ -29,7 +29,8 @@
 #   timeline:N       the same calls with the kernels' timeline (PYEP_LL_TIMELINE=1, ll_profile.py --timeline):
 #                    per kernel and phase, where each block's time goes, rank 0 and the slowest rank
 #   hostpath[:N]     bench/hostpath.py on GPU 0, N runs (default 2): each call's host time split into Python, the Go
-#                    core and the driver's launch (hostpath-I.log, hostpath-I.json)
+#                    core and the driver's launch (hostpath-I.log, hostpath-I.json), then the low-latency calls'
+#                    (--ll: hostpath-ll-I.log, hostpath-ll-I.json)
 #   stamps:CALL      bench/device/call_stamps.py CALL (dispatch, combine or cached) on GPU 0: the call's Python split
 #                    at its steps (stamps-CALL.log)
 # Environment: DEEPEP_SRC (default .deepep: DeepEP V1's source, git archive 9249c25), RES (logs, default
@@ -178,6 +179,9 @@ hostpath() {  # [N]
         CUDA_VISIBLE_DEVICES=0 python3 bench/hostpath.py --iters 200 --json "$RES/hostpath-$i.json" \
             >"$RES/hostpath-$i.log" 2>&1 || rc=1
         grep -v -e Warning -e 'return func' "$RES/hostpath-$i.log"
+        CUDA_VISIBLE_DEVICES=0 python3 bench/hostpath.py --ll --iters 200 --json "$RES/hostpath-ll-$i.json" \
+            >"$RES/hostpath-ll-$i.log" 2>&1 || rc=1
+        grep -v -e Warning -e 'return func' "$RES/hostpath-ll-$i.log"
     done
     return $rc
 }

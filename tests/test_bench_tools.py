@@ -1,5 +1,6 @@
-"""bench/device's tools that read what a GPU run left: `ll_chain.py --traces`, which lays the low-latency kernels of
-DeepEP's harness (chrome traces, a rank each) side by side. Local to each process: no group, no GPU."""
+"""bench's tools beside pyep.bench: `bench/hostpath.py` (a call's host time, split at the core's entry) and
+`bench/device/ll_chain.py --traces`, which lays the low-latency kernels of DeepEP's harness (chrome traces, a rank
+each) side by side. Each runs in a subprocess of its own, local to each process: no group, no GPU."""
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LL_CHAIN = os.path.join(ROOT, "bench", "device", "ll_chain.py")
+HOSTPATH = os.path.join(ROOT, "bench", "hostpath.py")
 
 
 def write_trace(path: str, first_us: float, dispatch_us: float, name: str) -> None:
@@ -58,3 +60,23 @@ def test_ll_chain_reads_pyep_kernels_and_refuses_a_short_trace(tmp_path):
     assert "rank 0 20.00, rank 1 20.00 µs" in out
     out = read([a, b])
     assert "rank 1: 58 low-latency kernels seen, expected 60: no table" in out
+
+
+def test_hostpath_times_the_low_latency_calls(tmp_path):
+    out = str(tmp_path / "hostpath.json")
+    env = dict(os.environ, PYEP_BACKEND="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # the cpu path
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # its own group of one
+        env.pop(k, None)
+    got = subprocess.run([sys.executable, HOSTPATH, "--ll", "--ll-tokens", "8", "--hidden", "256", "--topk", "4",
+                          "--ll-experts", "8", "--iters", "3", "--warmup", "1", "--json", out],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert got.returncode == 0, got.stdout + got.stderr
+    with open(out) as f:
+        report = json.load(f)
+    assert report["low_latency"] and (report["tokens"], report["hidden"], report["experts"]) == (8, 256, 8)
+    calls = ["ll_dispatch_fp8", "ll_dispatch_bf16", "ll_combine", "ll_dispatch_send", "ll_dispatch_hook"]
+    assert list(report["median_us"]) == calls
+    for name in calls:
+        samples = report["samples_us"][name]
+        # The core stamps each low-latency export's entry: Python's part ends there, inside the call.
+        assert len(samples["python"]) == 3 and all(0 < p <= r for p, r in zip(samples["python"], samples["return"]))
