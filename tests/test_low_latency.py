@@ -280,6 +280,65 @@ def test_zero_copy_and_out(buffer, rank, num_ranks):
         assert (stats >= 0).all()
 
 
+def test_handle_and_output_written_again_only_when_dropped(buffer, rank, num_ranks):
+    """The usual dispatch writes src_info, layout_range and recv_count into the last usual dispatch's block once the
+    caller let go of all three, and the usual combine its output into the last one's, instead of allocating; never
+    while one of them or a view of them is held (those keep their values), nor with async_finish or on another
+    stream; and every call's results are its own."""
+    R, E, M, H = num_ranks, EXPERTS_PER_RANK * num_ranks, 4, 128
+    buffer.clean_low_latency_buffer(M, H, E)
+    inps = [make_inputs(40 + s, R, [M] * R, H, E, 2) for s in range(2)]
+    calls = iter(range(1000))
+
+    def call(async_finish=False):
+        inp = inps[next(calls) % 2]
+        recv, count, handle, _, _, _ = dispatch(buffer, inp, rank, M, E, async_finish=async_finish, stats=False,
+                                                use_fp8=False)
+        if async_finish and dev().type == "cuda":
+            torch.cuda.synchronize()
+        check_dispatch(inp, rank, R, M, E, recv, count, handle)
+        out, event, _ = buffer.low_latency_combine(expert_outputs(recv, handle, rank, E, R), inp.topk[rank].to(dev()),
+                                                   inp.w[rank].to(dev()), handle, async_finish=async_finish)
+        if async_finish:
+            event.current_stream_wait()
+        assert torch.equal(out.cpu(), ref_combine(inp, rank, set(), E // R))
+        return count, handle, out
+
+    count, handle, out = call()
+    was = count.data_ptr(), out.data_ptr()
+    del count, handle, out
+    count, handle, out = call()
+    assert (count.data_ptr(), out.data_ptr()) == was, "a dropped dispatch's handle and count or a combine's output " \
+                                                      "were not written again"
+    for name, hold in (("recv_count", lambda c, h, o: c), ("the handle", lambda c, h, o: h),
+                       ("src_info", lambda c, h, o: h[0]), ("a view of layout_range", lambda c, h, o: h[1][1:]),
+                       ("the combined output", lambda c, h, o: o)):
+        held = hold(count, handle, out)
+        kept = [t.clone() if isinstance(t, torch.Tensor) else t for t in (held if type(held) is tuple else (held,))]
+        was = count.data_ptr(), out.data_ptr()
+        del count, handle, out
+        count, handle, out = call()
+        if name == "the combined output":
+            assert out.data_ptr() != was[1] and count.data_ptr() == was[0], "a held combined output written again"
+        else:
+            assert count.data_ptr() != was[0] and out.data_ptr() == was[1], f"written again while {name} was held"
+        now = held if type(held) is tuple else (held,)
+        assert all(not isinstance(t, torch.Tensor) or torch.equal(t, k) for t, k in zip(now, kept)), f"{name} changed"
+        del held, now
+    del count, handle, out
+    count, handle, out = call(async_finish=True)
+    assert buffer._ll_small_kept is None and buffer._ll_out_kept is None, "async_finish's outputs kept"
+    del count, handle, out
+    count, handle, out = call()
+    if dev().type == "cuda":
+        was = count.data_ptr(), out.data_ptr()
+        del count, handle, out
+        with torch.cuda.stream(torch.cuda.Stream()):
+            count, handle, out = call()
+            assert count.data_ptr() != was[0] and out.data_ptr() != was[1], "one stream's outputs written on another"
+        torch.cuda.synchronize()
+
+
 def test_two_calls_await_their_hooks(buffer, rank, num_ranks):
     """Both halves in turn: two dispatches' hooks may be outstanding; a third call must wait for the first hook."""
     R, E, M, H = num_ranks, EXPERTS_PER_RANK * num_ranks, 5, 128

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core
+from ._ahead import _USE_COUNT, _capturing, _refcount
 from ._core import not_available
 from ._tensors import modes_on, without_modes
 from .utils import EventHandle, EventOverlap
@@ -77,6 +78,10 @@ class LowLatencyMixin:
     """Buffer's low-latency methods (see the module's docstring)."""
 
     _ll_id: Optional[int] = None  # the core's id once _ll let a call through
+    # The last usual dispatch's src_info, layout_range and count, and the last usual combine's output (_ll_small,
+    # _ll_out): handed out again once the caller let them go.
+    _ll_small_kept: Optional[tuple] = None
+    _ll_out_kept: Optional[tuple] = None
 
     def _ll(self, method: str):
         """The core's id of a buffer whose low-latency calls can run, or the error that says why not."""
@@ -242,25 +247,25 @@ class LowLatencyMixin:
             T, H = x.shape
             K, L = topk_idx.shape[1], E // R
         use_fp8, round_scale, use_ue8m0 = bool(use_fp8), bool(round_scale), bool(use_ue8m0) and bool(use_fp8)
-        # Two allocations, carved after the call: the received rows and their scales (which the experts read), and
-        # src_info, layout_range and count (which the handle keeps for combine, without the rows).
+        # Two blocks: the received rows and their scales (which the experts read), allocated each call, and src_info,
+        # layout_range and count (which the handle keeps for combine, without the rows), the last call's again when
+        # the caller let them go (_ll_small).
         RM = R * M
+        stream = _current_stream(self._device_index) if self._cuda else 0
+        usual = not async_finish and _USE_COUNT is not None and not (self._cuda and _capturing())
+        _, src_info, layout_range, count, (h_src, h_range, h_count), _ = self._ll_small(L, R, RM, stream, usual)
         if use_fp8:
             S = (H // 128 + 3) // 4 if use_ue8m0 else H // 128
             at_scales = _align(L * RM * H)
             rows = torch.empty(at_scales + _align(4 * L * RM * S), dtype=torch.float8_e4m3fn, device=dev)
         else:
             rows = torch.empty((L, RM, H), dtype=torch.bfloat16, device=dev)
-        at_range = _align(4 * L * RM)
-        at_count = at_range + _align(8 * L * R)
-        small = torch.empty((at_count + _align(4 * L)) // 4, dtype=torch.int32, device=dev)
-        r, h = rows.data_ptr(), small.data_ptr()
+        r = rows.data_ptr()
         try:
             seq = _core.go.LowLatencyDispatch(
                 bid, M, H, E, T, K, use_fp8, round_scale, use_ue8m0, bool(return_recv_hook), _addr(x), _addr(topk_idx),
-                r, r + at_scales if use_fp8 else 0, h, h + at_range, h + at_count,
-                _addr(cumulative_local_expert_recv_stats), _addr(dispatch_wait_recv_cost_stats),
-                _current_stream(self._device_index) if self._cuda else 0)
+                r, r + at_scales if use_fp8 else 0, h_src, h_range, h_count,
+                _addr(cumulative_local_expert_recv_stats), _addr(dispatch_wait_recv_cost_stats), stream)
         except RuntimeError as e:
             raise _core.error(e) from None
         if use_fp8:
@@ -270,18 +275,60 @@ class LowLatencyMixin:
                 (L, RM, S), (S * RM, 1, RM), at_scales // 4)
         else:
             recv_x, scales = rows, None
-        src_info = small.as_strided((L, RM), (RM, 1))
-        layout_range = small.view(torch.int64).as_strided((L, R), (R, 1), at_range // 8)
-        count = small.as_strided((L,), (1,), at_count // 4)
         hook = None
         if return_recv_hook:
-            hook = self._ll_hook("low_latency_dispatch", seq, (x, topk_idx, rows, small, cumulative_local_expert_recv_stats,
+            hook = self._ll_hook("low_latency_dispatch", seq, (x, topk_idx, rows, src_info, layout_range, count,
+                                                                cumulative_local_expert_recv_stats,
                                                                 dispatch_wait_recv_cost_stats))
         elif not self._cuda:
             self._ll_report("low_latency_dispatch")
         handle = (src_info, layout_range, M, H, E)
-        event = self._ll_event((x, topk_idx, rows, small)) if async_finish else EventOverlap(None)
+        event = self._ll_event((x, topk_idx, rows, src_info, layout_range, count)) if async_finish else EventOverlap(None)
         return (recv_x, scales) if use_fp8 else recv_x, count, handle, event, hook
+
+    def _ll_small(self, L: int, R: int, RM: int, stream: int, usual: bool) -> tuple:
+        """A dispatch's src_info, layout_range and count (the handle's two tensors and recv_count), views of one int32
+        block: (key, src_info, layout_range, count, their addresses, the block's use count or None). The usual call
+        (no async_finish, no CUDA graph capture) gets the last usual call's views again when the caller let go of all
+        three (the tuple's and getrefcount's own the only references, no other view of the block) and the shapes and
+        stream are the same, as the caching allocator would hand that memory to the same stream, without an
+        allocation and four views; else new ones, kept for next time when usual. The received rows are not kept
+        (hundreds of MB, allocated each call as DeepEP does, so that the memory serves the model between calls)."""
+        key = (L, R, RM, stream)
+        kept = self._ll_small_kept
+        if (usual and kept is not None and kept[0] == key and _refcount(kept[1]) == 2 and _refcount(kept[2]) == 2
+                and _refcount(kept[3]) == 2 and _USE_COUNT(kept[1].untyped_storage()._cdata) == kept[5]):
+            return kept
+        self._ll_small_kept = None
+        del kept  # let go first: its memory may serve this call
+        at_range = _align(4 * L * RM)
+        at_count = at_range + _align(8 * L * R)
+        small = torch.empty((at_count + _align(4 * L)) // 4, dtype=torch.int32, device=self._device)
+        src_info = small.as_strided((L, RM), (RM, 1))
+        layout_range = small.view(torch.int64).as_strided((L, R), (R, 1), at_range // 8)
+        count = small.as_strided((L,), (1,), at_count // 4)
+        h = small.data_ptr()
+        del small
+        made = (key, src_info, layout_range, count, (h, h + at_range, h + at_count), None)
+        if usual:
+            made = made[:5] + (_USE_COUNT(src_info.untyped_storage()._cdata),)
+            self._ll_small_kept = made
+        return made
+
+    def _ll_out(self, T: int, H: int, stream: int, usual: bool) -> torch.Tensor:
+        """A combine's output when the caller passed none: the last usual combine's again when the caller let it go
+        (as _ll_small decides), else a new one, kept for next time when usual."""
+        key = (T, H, stream)
+        kept = self._ll_out_kept
+        if (usual and kept is not None and kept[0] == key and _refcount(kept[1]) == 2
+                and _USE_COUNT(kept[1].untyped_storage()._cdata) == kept[2]):
+            return kept[1]
+        self._ll_out_kept = None
+        del kept
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=self._device)
+        if usual:
+            self._ll_out_kept = (key, out, _USE_COUNT(out.untyped_storage()._cdata))
+        return out
 
     def _check_ll_dispatch(self, x, topk_idx, M, E, cum_stats, wait_stats, use_fp8, round_scale, use_ue8m0,
                            async_finish, return_recv_hook) -> None:
@@ -363,13 +410,15 @@ class LowLatencyMixin:
                                                                      zero_copy, async_finish, return_recv_hook, out,
                                                                      combine_wait_recv_cost_stats)
             T, K = topk_idx.shape
+        stream = _current_stream(self._device_index) if self._cuda else 0
         if out is None:
-            out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+            out = self._ll_out(T, H, stream, not async_finish and _USE_COUNT is not None
+                               and not (self._cuda and _capturing()))
         try:
             seq = _core.go.LowLatencyCombine(
                 bid, M, H, E, T, K, bool(zero_copy), bool(return_recv_hook), 0 if zero_copy else _addr(x),
                 _addr(topk_idx), _addr(topk_weights), _addr(src_info), _addr(layout_range), _addr(out),
-                _addr(combine_wait_recv_cost_stats), _current_stream(self._device_index) if self._cuda else 0)
+                _addr(combine_wait_recv_cost_stats), stream)
         except RuntimeError as e:
             raise _core.error(e) from None
         hook = None

@@ -215,6 +215,7 @@ class Buffer(NormalMode, LowLatencyMixin, InternodeMixin):
     def _release(self) -> None:
         self._rows_ahead = None  # rows a layout allocated for the next dispatch (_normal.py)
         self._combine_ahead = None  # the block a dispatch allocated for the next combine (_normal.py)
+        self._ll_small_kept = self._ll_out_kept = None  # the last low-latency outputs, handed out again (_low_latency.py)
         runtime = getattr(self, "runtime", None)
         if runtime is not None:
             runtime.destroy()
