@@ -284,7 +284,7 @@ def test_handle_and_output_written_again_only_when_dropped(buffer, rank, num_ran
     """The usual dispatch writes src_info, layout_range and recv_count into the last usual dispatch's block once the
     caller let go of all three, and the usual combine its output into the last one's, instead of allocating; never
     while one of them or a view of them is held (those keep their values), nor with async_finish or on another
-    stream; and every call's results are its own."""
+    stream (which get blocks of their own and leave the kept ones); and every call's results are their own."""
     R, E, M, H = num_ranks, EXPERTS_PER_RANK * num_ranks, 4, 128
     buffer.clean_low_latency_buffer(M, H, E)
     inps = [make_inputs(40 + s, R, [M] * R, H, E, 2) for s in range(2)]
@@ -325,11 +325,13 @@ def test_handle_and_output_written_again_only_when_dropped(buffer, rank, num_ran
         now = held if type(held) is tuple else (held,)
         assert all(not isinstance(t, torch.Tensor) or torch.equal(t, k) for t, k in zip(now, kept)), f"{name} changed"
         del held, now
+    was = count.data_ptr(), out.data_ptr()
     del count, handle, out
     count, handle, out = call(async_finish=True)
-    assert buffer._ll_small_kept is None and buffer._ll_out_kept is None, "async_finish's outputs kept"
+    assert count.data_ptr() != was[0] and out.data_ptr() != was[1], "an async_finish call wrote into the kept blocks"
     del count, handle, out
     count, handle, out = call()
+    assert (count.data_ptr(), out.data_ptr()) == was, "the kept blocks were not written again after async_finish"
     if dev().type == "cuda":
         was = count.data_ptr(), out.data_ptr()
         del count, handle, out

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core
-from ._ahead import _USE_COUNT, _capturing, _refcount
+from ._ahead import _USE_COUNT, _USUAL, _capturing, _refcount
 from ._core import not_available
 from ._tensors import modes_on, without_modes
 from .utils import EventHandle, EventOverlap
@@ -74,12 +74,23 @@ def _align(n: int) -> int:
     return (n + 255) // 256 * 256
 
 
+def _small_views(key: tuple, device: torch.device) -> tuple:
+    """A new int32 block's src_info, layout_range and count for key (L, R, R * M, stream), as _ll_small returns them."""
+    L, R, RM, _ = key
+    at_range = _align(4 * L * RM)
+    at_count = at_range + _align(8 * L * R)
+    small = torch.empty((at_count + _align(4 * L)) // 4, dtype=torch.int32, device=device)
+    h = small.data_ptr()
+    return (key, small.as_strided((L, RM), (RM, 1)), small.view(torch.int64).as_strided((L, R), (R, 1), at_range // 8),
+            small.as_strided((L,), (1,), at_count // 4), (h, h + at_range, h + at_count), None)
+
+
 class LowLatencyMixin:
     """Buffer's low-latency methods (see the module's docstring)."""
 
     _ll_id: Optional[int] = None  # the core's id once _ll let a call through
-    # The last usual dispatch's src_info, layout_range and count, and the last usual combine's output (_ll_small,
-    # _ll_out): handed out again once the caller let them go.
+    # The last usual dispatch's src_info, layout_range and count (_ll_small), and the last usual combine's output
+    # (Ahead._kept_block): handed out again once the caller let them go.
     _ll_small_kept: Optional[tuple] = None
     _ll_out_kept: Optional[tuple] = None
 
@@ -252,8 +263,8 @@ class LowLatencyMixin:
         # the caller let them go (_ll_small).
         RM = R * M
         stream = _current_stream(self._device_index) if self._cuda else 0
-        usual = not async_finish and _USE_COUNT is not None and not (self._cuda and _capturing())
-        _, src_info, layout_range, count, (h_src, h_range, h_count), _ = self._ll_small(L, R, RM, stream, usual)
+        flags = 0 if async_finish else _USUAL  # the usual call's, as normal mode's (_ahead.py): blocks are reused
+        _, src_info, layout_range, count, (h_src, h_range, h_count), _ = self._ll_small(flags, L, R, RM, stream)
         if use_fp8:
             S = (H // 128 + 3) // 4 if use_ue8m0 else H // 128
             at_scales = _align(L * RM * H)
@@ -286,49 +297,27 @@ class LowLatencyMixin:
         event = self._ll_event((x, topk_idx, rows, src_info, layout_range, count)) if async_finish else EventOverlap(None)
         return (recv_x, scales) if use_fp8 else recv_x, count, handle, event, hook
 
-    def _ll_small(self, L: int, R: int, RM: int, stream: int, usual: bool) -> tuple:
+    def _ll_small(self, flags: int, L: int, R: int, RM: int, stream: int) -> tuple:
         """A dispatch's src_info, layout_range and count (the handle's two tensors and recv_count), views of one int32
-        block: (key, src_info, layout_range, count, their addresses, the block's use count or None). The usual call
-        (no async_finish, no CUDA graph capture) gets the last usual call's views again when the caller let go of all
-        three (the tuple's and getrefcount's own the only references, no other view of the block) and the shapes and
-        stream are the same, as the caching allocator would hand that memory to the same stream, without an
-        allocation and four views; else new ones, kept for next time when usual. The received rows are not kept
-        (hundreds of MB, allocated each call as DeepEP does, so that the memory serves the model between calls)."""
+        block: (key, src_info, layout_range, count, their addresses, the block's use count or None). As normal mode's
+        _kept_block (_ahead.py) for a block, but the views are kept too: the usual call (flags _USUAL: no
+        async_finish; not in a CUDA graph capture) gets the last usual call's views again when the caller let go of
+        all three (the tuple's and getrefcount's own the only references, no other view of the block) on the same
+        stream with the same shapes, without an allocation and four views; else new ones, kept for next time when
+        usual. The received rows are not kept (hundreds of MB, allocated each call as DeepEP does, so that the
+        memory serves the model between calls)."""
         key = (L, R, RM, stream)
+        if flags != _USUAL or _USE_COUNT is None or (self._cuda and _capturing()):
+            return _small_views(key, self._device)
         kept = self._ll_small_kept
-        if (usual and kept is not None and kept[0] == key and _refcount(kept[1]) == 2 and _refcount(kept[2]) == 2
+        if (kept is not None and kept[0] == key and _refcount(kept[1]) == 2 and _refcount(kept[2]) == 2
                 and _refcount(kept[3]) == 2 and _USE_COUNT(kept[1].untyped_storage()._cdata) == kept[5]):
             return kept
         self._ll_small_kept = None
         del kept  # let go first: its memory may serve this call
-        at_range = _align(4 * L * RM)
-        at_count = at_range + _align(8 * L * R)
-        small = torch.empty((at_count + _align(4 * L)) // 4, dtype=torch.int32, device=self._device)
-        src_info = small.as_strided((L, RM), (RM, 1))
-        layout_range = small.view(torch.int64).as_strided((L, R), (R, 1), at_range // 8)
-        count = small.as_strided((L,), (1,), at_count // 4)
-        h = small.data_ptr()
-        del small
-        made = (key, src_info, layout_range, count, (h, h + at_range, h + at_count), None)
-        if usual:
-            made = made[:5] + (_USE_COUNT(src_info.untyped_storage()._cdata),)
-            self._ll_small_kept = made
+        made = _small_views(key, self._device)
+        self._ll_small_kept = made = made[:5] + (_USE_COUNT(made[1].untyped_storage()._cdata),)
         return made
-
-    def _ll_out(self, T: int, H: int, stream: int, usual: bool) -> torch.Tensor:
-        """A combine's output when the caller passed none: the last usual combine's again when the caller let it go
-        (as _ll_small decides), else a new one, kept for next time when usual."""
-        key = (T, H, stream)
-        kept = self._ll_out_kept
-        if (usual and kept is not None and kept[0] == key and _refcount(kept[1]) == 2
-                and _USE_COUNT(kept[1].untyped_storage()._cdata) == kept[2]):
-            return kept[1]
-        self._ll_out_kept = None
-        del kept
-        out = torch.empty((T, H), dtype=torch.bfloat16, device=self._device)
-        if usual:
-            self._ll_out_kept = (key, out, _USE_COUNT(out.untyped_storage()._cdata))
-        return out
 
     def _check_ll_dispatch(self, x, topk_idx, M, E, cum_stats, wait_stats, use_fp8, round_scale, use_ue8m0,
                            async_finish, return_recv_hook) -> None:
@@ -411,9 +400,9 @@ class LowLatencyMixin:
                                                                      combine_wait_recv_cost_stats)
             T, K = topk_idx.shape
         stream = _current_stream(self._device_index) if self._cuda else 0
-        if out is None:
-            out = self._ll_out(T, H, stream, not async_finish and _USE_COUNT is not None
-                               and not (self._cuda and _capturing()))
+        if out is None:  # the last usual combine's output once the caller let it go (normal mode's _kept_block)
+            out = self._kept_block("_ll_out_kept", 0 if async_finish else _USUAL, (T, H, stream),
+                                   lambda: torch.empty((T, H), dtype=torch.bfloat16, device=dev))
         try:
             seq = _core.go.LowLatencyCombine(
                 bid, M, H, E, T, K, bool(zero_copy), bool(return_recv_hook), 0 if zero_copy else _addr(x),
