@@ -80,3 +80,49 @@ def test_hostpath_times_the_low_latency_calls(tmp_path):
         samples = report["samples_us"][name]
         # The core stamps each low-latency export's entry: Python's part ends there, inside the call.
         assert len(samples["python"]) == 3 and all(0 < p <= r for p, r in zip(samples["python"], samples["return"]))
+
+
+STAMPED_LL = r"""
+import sys, tempfile
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import call_stamps
+import pyep
+methods = ("low_latency_dispatch", "low_latency_combine")
+names = {m: call_stamps.stamped(m) for m in methods}
+for m in methods:  # every mark still names a line of the method
+    assert names[m] == ["entry"] + call_stamps.MARKS[m], (m, names[m])
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/s", rank=0, world_size=1)
+M, H, K, E = 8, 256, 4, 8
+buf = pyep.Buffer(dist.group.WORLD, num_rdma_bytes=pyep.Buffer.get_low_latency_rdma_size_hint(M, H, 1, E),
+                  low_latency_mode=True, num_qps_per_rank=E)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(M, H, generator=g).to(torch.bfloat16)
+topk = torch.rand(M, E, generator=g).topk(K, dim=1).indices
+w = torch.rand(M, K, generator=g)
+for i in range(3):
+    call_stamps.STAMPS.clear()
+    (rows, scales), count, handle, _, _ = buf.low_latency_dispatch(x, topk, M, E)
+    assert len(call_stamps.STAMPS) == len(names["low_latency_dispatch"]), call_stamps.STAMPS
+    assert call_stamps.STAMPS == sorted(call_stamps.STAMPS)
+    assert int(count.sum()) == int((topk >= 0).sum())  # one rank: every selection arrives
+    call_stamps.STAMPS.clear()
+    y = (rows.float() * scales.repeat_interleave(128, dim=2)).to(torch.bfloat16)  # the experts: identity
+    out, _, _ = buf.low_latency_combine(y, topk, w, handle)
+    assert len(call_stamps.STAMPS) == len(names["low_latency_combine"]), call_stamps.STAMPS
+    want = (x.float() * w.sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    assert torch.allclose(out.float(), want.float(), rtol=0.1, atol=0.1), (out - want).abs().max()
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_call_stamps_split_the_low_latency_calls(tmp_path):
+    # bench/device/call_stamps.py's stamped copies of the low-latency methods: every mark found, one stamp each, and
+    # the calls still right (on the cpu backend; the tool times them on a GPU).
+    env = dict(os.environ, PYEP_BACKEND="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    got = subprocess.run([sys.executable, "-c", STAMPED_LL, os.path.join(ROOT, "bench", "device")],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert got.returncode == 0 and "ok" in got.stdout, got.stdout + got.stderr
