@@ -44,7 +44,7 @@ type LLReceive interface {
 type LLCall struct {
 	Shape                                                                    lowlatency.Shape
 	NumTokens, NumTopk                                                       int
-	UseFP8, RoundScale, UseUE8M0, ZeroCopy                                   bool
+	UseFP8, RoundScale, UseUE8M0, ZeroCopy, LogFMT                           bool
 	Hook                                                                     bool
 	X, TopkIdx, TopkWeights                                                  uintptr
 	RecvX, RecvScales, SrcInfo, LayoutRange, Count, CumStats, WaitStats, Out uintptr

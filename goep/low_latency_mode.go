@@ -334,7 +334,7 @@ func (b *Buffer) LowLatencyReceive(seq uint32, stream uintptr) error {
 // ZeroCopy), and its sizes; see lowlatency.CombineArgs.
 type LLCombineArgs struct {
 	MaxTokens, Hidden, NumExperts, NumTokens, NumTopk int
-	ZeroCopy, Hook                                    bool
+	ZeroCopy, Hook, LogFMT                            bool
 	X, TopkIdx, TopkWeights, SrcInfo, LayoutRange     uintptr
 	Out, WaitStats                                    uintptr
 	Stream                                            uintptr // the caller's (device engines)
@@ -357,12 +357,16 @@ func (b *Buffer) LowLatencyCombine(a *LLCombineArgs) (uint32, error) {
 		if err := checkDeviceCall(R, shape, T, K, false, false, false); err != nil {
 			return 0, err
 		}
-		return ll.launchDevice(true, &LLCall{Shape: shape, NumTokens: T, NumTopk: K, ZeroCopy: a.ZeroCopy, Hook: a.Hook,
+		if a.ZeroCopy && a.LogFMT {
+			return 0, Argf("low_latency_combine: zero_copy=True and use_logfmt=True: a zero-copy combine sends bf16 rows " +
+				"(expected at most one of them)")
+		}
+		return ll.launchDevice(true, &LLCall{Shape: shape, NumTokens: T, NumTopk: K, ZeroCopy: a.ZeroCopy, LogFMT: a.LogFMT, Hook: a.Hook,
 			X: a.X, TopkIdx: a.TopkIdx, TopkWeights: a.TopkWeights, SrcInfo: a.SrcInfo, LayoutRange: a.LayoutRange,
 			Out: a.Out, WaitStats: a.WaitStats, Stream: a.Stream})
 	}
 	op := &lowlatency.CombineArgs{Shape: lowlatency.Shape{MaxTokens: a.MaxTokens, Hidden: H, NumExperts: a.NumExperts},
-		NumTokens: T, NumTopk: K, ZeroCopy: a.ZeroCopy, X: view[uint16](a.X, L*RM*H),
+		NumTokens: T, NumTopk: K, ZeroCopy: a.ZeroCopy, LogFMT: a.LogFMT, X: view[uint16](a.X, L*RM*H),
 		SrcInfo: view[int32](a.SrcInfo, L*RM), LayoutRange: view[int64](a.LayoutRange, L*R),
 		TopkIdx: view[int64](a.TopkIdx, T*K), TopkWeights: view[float32](a.TopkWeights, T*K), Out: view[uint16](a.Out, T*H),
 		WaitStats: view[int64](a.WaitStats, R)}

@@ -101,13 +101,10 @@ PYEP_DEVICE int4 bf16x8(const float* acc) {
     return o;
 }
 
-// Writes chunk c (8 channels a lane) of a message's row to out: the one row as it is, or the
-// weighted sum of n rows (rows[e], -1: none; weights w[e]) rounded to bf16.
-PYEP_DEVICE void reduce_chunk(const u16* x, int n, const i64* rows, const float* w, int c, int4* out) {
-    if (n == 1) {
-        st_na(out, rows[0] >= 0 ? ld_nc(reinterpret_cast<const int4*>(x + rows[0] * kHidden + c)) : vec_zero<int4>());
-        return;
-    }
+// Chunk c (8 channels a lane) of a message's row: the one row as it is, or the weighted sum of n
+// rows (rows[e], -1: none; weights w[e]) rounded to bf16.
+PYEP_DEVICE int4 chunk_row(const u16* x, int n, const i64* rows, const float* w, int c) {
+    if (n == 1) return rows[0] >= 0 ? ld_nc(reinterpret_cast<const int4*>(x + rows[0] * kHidden + c)) : vec_zero<int4>();
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     constexpr int kInFlight = 4;
     for (int e0 = 0; e0 < n; e0 += kInFlight) {
@@ -126,7 +123,87 @@ PYEP_DEVICE void reduce_chunk(const u16* x, int n, const i64* rows, const float*
             }
         }
     }
-    st_na(out, bf16x8(acc));
+    return bf16x8(acc);
+}
+
+// LogFMT-10 (use_logfmt; goep/lowlatency/logfmt.go has the format and the cpu engine's codec, which
+// this one matches bit for bit): a row of 2H bytes' room holds G = H/128 groups' meta words
+// (bmin | bmax << 16) and then each group's 128 10-bit fields (code | sign << 9). A chunk's lanes
+// 0-15 and 16-31 are one group each; a lane's 8 values are 80 bits at byte 10 * (lane % 16).
+constexpr bool kLogFMT = PYEP_LL_LOGFMT != 0;
+constexpr int kLogGroup = 128, kLogGroupBytes = kLogGroup * 10 / 8, kLogGroups = kHidden / kLogGroup;
+constexpr u32 kLogLevels = 509, kLogInf = 511, kLogClip = 32 * 128, kMagInf = 0x7f80;
+// The bytes of a row as it crosses.
+constexpr u64 kRowBytes = kLogFMT ? static_cast<u64>(kLogGroups) * (4 + kLogGroupBytes) : 2 * static_cast<u64>(kHidden);
+static_assert(kHidden % kLogGroup == 0 && kChunk == 2 * kLogGroup, "a chunk is two LogFMT groups, a half-warp each");
+
+PYEP_DEVICE u32 log_code(u32 m, u32 bmin, u32 bmax) {
+    if (m >= kMagInf) return kLogInf;
+    if (m == 0) return 0;
+    if (m < bmin) return m + 128 < bmin ? 0 : 1;  // more than an octave below the least level: zero
+    const u32 d = bmax - bmin;
+    return d == 0 ? 1 : 1 + ((m - bmin) * 2 * kLogLevels + d) / (2 * d);
+}
+
+PYEP_DEVICE u32 log_mag(u32 c, u32 bmin, u32 bmax) {
+    if (c == 0) return 0;
+    if (c == kLogInf) return kMagInf;
+    return bmin + ((c - 1) * (bmax - bmin) * 2 + kLogLevels) / (2 * kLogLevels);
+}
+
+// Writes this lane's 8 values v of chunk c (on: c < H) into a LogFMT row at slot. Every lane of
+// the warp calls it (the half-warps reduce their groups' ranges with shuffles).
+PYEP_DEVICE void log_store(int4 v, int c, bool on, u8* slot) {
+    const u32 words[4] = {static_cast<u32>(v.x), static_cast<u32>(v.y), static_cast<u32>(v.z), static_cast<u32>(v.w)};
+    u32 hi = 0, lo = 0xffffu;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const u32 m = words[i / 2] >> (16 * (i % 2)) & 0x7fffu;
+        if (on && m < kMagInf) hi = m > hi ? m : hi, lo = m != 0 && m < lo ? m : lo;
+    }
+    const unsigned half = 0xffffu << (lane_id() & 16);
+#pragma unroll
+    for (int s = 8; s > 0; s >>= 1) {
+        const u32 h2 = __shfl_xor_sync(half, hi, s), l2 = __shfl_xor_sync(half, lo, s);
+        hi = h2 > hi ? h2 : hi, lo = l2 < lo ? l2 : lo;
+    }
+    const u32 bmax = hi, bmin = lo == 0xffffu ? 0 : (bmax > lo + kLogClip ? bmax - kLogClip : lo);
+    if (!on) return;
+    const int g = c / kLogGroup, l = (c % kLogGroup) / 8;
+    if (l == 0) st_na(reinterpret_cast<int*>(slot) + g, static_cast<int>(bmin | bmax << 16));
+    u64 bits = 0;
+    u32 top = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const u32 h = words[i / 2] >> (16 * (i % 2)) & 0xffffu, f = log_code(h & 0x7fffu, bmin, bmax) | (h >> 15) << 9;
+        if (i < 6) bits |= static_cast<u64>(f) << (10 * i);
+        else if (i == 6) bits |= static_cast<u64>(f) << 60, top = f >> 4;
+        else top |= f << 6;
+    }
+    short* out = reinterpret_cast<short*>(slot + 4 * kLogGroups + g * kLogGroupBytes + 10 * l);
+#pragma unroll
+    for (int i = 0; i < 4; i++) st_na(out + i, static_cast<short>(bits >> (16 * i)));
+    st_na(out + 4, static_cast<short>(top));
+}
+
+// This lane's 8 values of chunk c of the LogFMT row at slot, as bf16 (a receive's read).
+PYEP_DEVICE int4 log_load(const u8* slot, int c) {
+    const int g = c / kLogGroup, l = (c % kLogGroup) / 8;
+    const u32 meta = static_cast<u32>(ld_ring(reinterpret_cast<const int*>(slot) + g)), bmin = meta & 0xffffu, bmax = meta >> 16;
+    const short* in = reinterpret_cast<const short*>(slot + 4 * kLogGroups + g * kLogGroupBytes + 10 * l);
+    u64 bits = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) bits |= static_cast<u64>(static_cast<u16>(ld_ring(in + i))) << (16 * i);
+    const u32 top = static_cast<u16>(ld_ring(in + 4));
+    u32 o[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const u32 f = (i < 6 ? static_cast<u32>(bits >> (10 * i)) : i == 6 ? static_cast<u32>(bits >> 60) | top << 4 : top >> 6) & 0x3ffu;
+        o[i / 2] |= (log_mag(f & 0x1ffu, bmin, bmax) | (f >> 9) << 15) << (16 * (i % 2));
+    }
+    int4 r;
+    r.x = static_cast<int>(o[0]), r.y = static_cast<int>(o[1]), r.z = static_cast<int>(o[2]), r.w = static_cast<int>(o[3]);
+    return r;
 }
 
 // The combine's counters (p.expert_sent, PYEP_LL_SENT_WORDS i32, zero between calls): the send's blocks done, the
@@ -223,8 +300,13 @@ PYEP_DEVICE void send_messages(const LLParams& p, u32 seq, int pass, const Writa
         __syncthreads();
         for (int it = warp; it < n * kChunks; it += kWarps) {
             const int m = it / kChunks, c = (it % kChunks) * kChunk + lane * 8;
-            if (s_n[m] == 0 || s_dst[m] == 0 || c >= kHidden) continue;
-            reduce_chunk(x, s_n[m], s_row + m * kPushTopk, s_w + m * kPushTopk, c, reinterpret_cast<int4*>(s_dst[m]) + c / 8);
+            if (s_n[m] == 0 || s_dst[m] == 0) continue;  // warp-uniform
+            if (kLogFMT) {  // every lane: the half-warps reduce their groups' ranges
+                const int4 v = c < kHidden ? chunk_row(x, s_n[m], s_row + m * kPushTopk, s_w + m * kPushTopk, c) : vec_zero<int4>();
+                log_store(v, c, c < kHidden, reinterpret_cast<u8*>(s_dst[m]));
+            } else if (c < kHidden) {
+                st_na(reinterpret_cast<int4*>(s_dst[m]) + c / 8, chunk_row(x, s_n[m], s_row + m * kPushTopk, s_w + m * kPushTopk, c));
+            }
         }
         if (kRemote) {
             __syncthreads();  // the round's staged rows are written
@@ -232,7 +314,7 @@ PYEP_DEVICE void send_messages(const LLParams& p, u32 seq, int pass, const Writa
                 const int t = message(a + m) / R, s = message(a + m) % R;
                 if (s_dst[m] != 0 && is_remote(p, s))
                     put_peer(s, region(p, s) + p.off_recv + static_cast<u64>(me * M + t) * (2 * kHidden), reinterpret_cast<const void*>(s_dst[m]),
-                             2 * kHidden);
+                             kRowBytes);
             }
         }
     }
@@ -351,8 +433,10 @@ PYEP_DEVICE void combine_recv(const LLParams& p, u32 seq, u32 /* a dispatch's se
             const int c = c0 + q * kChunk;
 #pragma unroll
             for (int k = 0; k < kTopk; k++)
-                if (lead[k] > 0 && c < kHidden)
-                    v[q][k] = ld_ring(reinterpret_cast<const int4*>(slots + (static_cast<u64>(rk[k]) * M + t) * (2 * kHidden)) + c / 8);
+                if (lead[k] > 0 && c < kHidden) {
+                    const u8* slot = slots + (static_cast<u64>(rk[k]) * M + t) * (2 * kHidden);
+                    v[q][k] = kLogFMT ? log_load(slot, c) : ld_ring(reinterpret_cast<const int4*>(slot) + c / 8);
+                }
         }
 #pragma unroll
         for (int q = 0; q < kCombineGroup; q++) {

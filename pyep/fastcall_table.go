@@ -48,9 +48,9 @@ var fastCalls = []fastCall{
 		_ = a[19]
 		return LowLatencyDispatch(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]), int(a[5]), a[6] != 0, a[7] != 0, a[8] != 0, a[9] != 0, uintptr(a[10]), uintptr(a[11]), uintptr(a[12]), uintptr(a[13]), uintptr(a[14]), uintptr(a[15]), uintptr(a[16]), uintptr(a[17]), uintptr(a[18]), uintptr(a[19]))
 	}},
-	{"LowLatencyCombine", 16, func(a []int64) (int64, error) {
-		_ = a[15]
-		return LowLatencyCombine(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]), int(a[5]), a[6] != 0, a[7] != 0, uintptr(a[8]), uintptr(a[9]), uintptr(a[10]), uintptr(a[11]), uintptr(a[12]), uintptr(a[13]), uintptr(a[14]), uintptr(a[15]))
+	{"LowLatencyCombine", 17, func(a []int64) (int64, error) {
+		_ = a[16]
+		return LowLatencyCombine(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]), int(a[5]), a[6] != 0, a[7] != 0, a[8] != 0, uintptr(a[9]), uintptr(a[10]), uintptr(a[11]), uintptr(a[12]), uintptr(a[13]), uintptr(a[14]), uintptr(a[15]), uintptr(a[16]))
 	}},
 	{"LowLatencyReceive", 3, func(a []int64) (int64, error) {
 		_ = a[2]

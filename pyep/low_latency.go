@@ -37,7 +37,7 @@ func LowLatencyDispatch(id int64, maxTokens, hidden, numExperts, numTokens, numT
 }
 
 // LowLatencyCombine runs low_latency_combine; with hook only its send phase.
-func LowLatencyCombine(id int64, maxTokens, hidden, numExperts, numTokens, numTopk int, zeroCopy, hook bool,
+func LowLatencyCombine(id int64, maxTokens, hidden, numExperts, numTokens, numTopk int, zeroCopy, hook, logfmt bool,
 	x, topkIdx, topkWeights, srcInfo, layoutRange, out, waitStats, stream uintptr) (seq int64, err error) {
 	entered()
 	defer guard("LowLatencyCombine", &err)
@@ -46,7 +46,7 @@ func LowLatencyCombine(id int64, maxTokens, hidden, numExperts, numTokens, numTo
 		return 0, err
 	}
 	s, err := b.LowLatencyCombine(&goep.LLCombineArgs{MaxTokens: maxTokens, Hidden: hidden, NumExperts: numExperts,
-		NumTokens: numTokens, NumTopk: numTopk, ZeroCopy: zeroCopy, Hook: hook, X: x, TopkIdx: topkIdx,
+		NumTokens: numTokens, NumTopk: numTopk, ZeroCopy: zeroCopy, Hook: hook, LogFMT: logfmt, X: x, TopkIdx: topkIdx,
 		TopkWeights: topkWeights, SrcInfo: srcInfo, LayoutRange: layoutRange, Out: out, WaitStats: waitStats, Stream: stream})
 	return int64(s), err
 }

@@ -17,7 +17,7 @@ func TestLowLatencyExportsStampTheirEntry(t *testing.T) {
 			return err
 		},
 		"LowLatencyCombine": func() error {
-			_, err := LowLatencyCombine(-5, 128, 7168, 288, 128, 8, false, false, 0, 0, 0, 0, 0, 0, 0, 0)
+			_, err := LowLatencyCombine(-5, 128, 7168, 288, 128, 8, false, false, false, 0, 0, 0, 0, 0, 0, 0, 0)
 			return err
 		},
 		"LowLatencyReceive": func() error { return LowLatencyReceive(-5, 1, 0) },

@@ -78,11 +78,11 @@ def expert_output(rows: torch.Tensor, expert: int) -> torch.Tensor:
     return (rows.float() * (expert + 1) / 4).bfloat16()
 
 
-def ref_combine(inp: Inputs, me: int, masked: set, L: int) -> torch.Tensor:
+def ref_combine(inp: Inputs, me: int, masked: set, L: int, crossing=lambda row: row) -> torch.Tensor:
     """Rank me's combine, by rank: for each token, one term per rank it selected (masked ranks left out), added in
     float32 in the order of the token's first selection of each rank and rounded to bf16 once. A rank's term is
     w * expert_output in float32 for its only selection; for several, the rank's float32 sum of those products in k
-    order, rounded to bf16 (the expert's rank sends that one row)."""
+    order, rounded to bf16 (the expert's rank sends that one row). crossing(row) is a bf16 row as it arrives."""
     x, topk, w = inp.x[me], inp.topk[me], inp.w[me]
     acc = torch.zeros(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):
@@ -96,12 +96,12 @@ def ref_combine(inp: Inputs, me: int, masked: set, L: int) -> torch.Tensor:
                 continue
             if len(sel) == 1:
                 k, g = sel[0]
-                term = expert_output(x[t], g).float() * w[t, k]
+                term = crossing(expert_output(x[t], g)).float() * w[t, k]
             else:
                 term = torch.zeros(x.shape[1], dtype=torch.float32)
                 for k, g in sel:
                     term = term + expert_output(x[t], g).float() * w[t, k]
-                term = term.bfloat16().float()
+                term = crossing(term.bfloat16()).float()
             acc[t] = acc[t] + term
     return acc.bfloat16()
 
@@ -531,8 +531,8 @@ def test_bad_arguments_raise_and_the_next_call_works(buffer, rank, num_ranks):
     check_dispatch(inp, rank, R, M, E, recv, count, handle)
     y = expert_outputs(recv, handle, rank, E, R)
     w = inp.w[rank].to(d)
-    with pytest.raises(pyep.NotAvailableError, match="use_logfmt=True"):
-        buffer.low_latency_combine(y, topk, w, handle, use_logfmt=True)
+    with pytest.raises(ValueError, match="use_logfmt=True and zero_copy=True"):
+        buffer.low_latency_combine(y, topk, w, handle, use_logfmt=True, zero_copy=True)
     with pytest.raises(ValueError, match="handle: expected the 5-tuple"):
         buffer.low_latency_combine(y, topk, w, handle[:4])
     with pytest.raises(ValueError, match=r"^out: shape"):

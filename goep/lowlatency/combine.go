@@ -10,12 +10,14 @@ import (
 // the dispatch's recv_x (nil with ZeroCopy: the rows are already in the send area that
 // NextCombineBuffer named), the dispatch's handle (SrcInfo [L][RM], LayoutRange [L][R]), this
 // rank's T dispatched tokens' TopkIdx and TopkWeights [T, K], and Out [T, H] bf16, the weighted
-// sums. WaitStats [R] += ns waited for each rank (nil: none).
+// sums. WaitStats [R] += ns waited for each rank (nil: none). With LogFMT the rows cross in
+// LogFMT-10 (logfmt.go): each (token, rank) row as it would be in bf16, encoded by its sender and
+// decoded by the token's rank before it is summed.
 type CombineArgs struct {
 	Shape
 	NumTokens, NumTopk int
 	X                  []uint16
-	ZeroCopy           bool
+	ZeroCopy, LogFMT   bool
 	SrcInfo            []int32
 	LayoutRange        []int64
 	TopkIdx            []int64
@@ -32,6 +34,8 @@ func (a *CombineArgs) check(R int) error {
 		return invalid("topk_weights: %d tokens, expected at most num_max_dispatch_tokens_per_rank = %d", T, M)
 	case K < 1 || K > MaxTopk:
 		return invalid("topk_idx: %d experts a token, expected 1 to %d", K, MaxTopk)
+	case a.ZeroCopy && a.LogFMT:
+		return invalid("zero_copy=True and use_logfmt=True: a zero-copy combine sends bf16 rows (expected at most one of them)")
 	case !a.ZeroCopy && len(a.X) < L*RM*H:
 		return invalid("x: %d elements, expected [%d, %d, %d]", len(a.X), L, RM, H)
 	case len(a.SrcInfo) < L*RM || len(a.LayoutRange) < L*R:
@@ -118,6 +122,7 @@ type combineSender struct {
 	zeros   []uint16
 	scratch []uint16
 	acc     []float32
+	packed  []byte // a LogFMT row
 }
 
 func (e *Engine) combineSend(a *CombineArgs, l Layout, h int, seq uint32) (*combineSender, error) {
@@ -125,6 +130,9 @@ func (e *Engine) combineSend(a *CombineArgs, l Layout, h int, seq uint32) (*comb
 	T, K, RM := a.NumTokens, a.NumTopk, R*a.MaxTokens
 	s := &combineSender{e: e, a: a, l: l, h: h, seq: seq, rows: a.X,
 		zeros: make([]uint16, H), scratch: make([]uint16, H), acc: make([]float32, H)}
+	if a.LogFMT {
+		s.packed = make([]byte, LogFMTBytes(H))
+	}
 	if a.ZeroCopy {
 		s.rows = unsafe.Slice((*uint16)(at(e.d.Regions[me], l.Send(h))), L*RM*H)
 	}
@@ -249,7 +257,15 @@ func (s *combineSender) send(src int) error {
 				out[c] = f32ToBF16(v)
 			}
 		}
-		e.write(src, l.CombineSlot(h, me, t), unsafe.Slice((*byte)(unsafe.Pointer(&out[0])), 2*H))
+		msg := unsafe.Slice((*byte)(unsafe.Pointer(&out[0])), 2*H)
+		if a.LogFMT {
+			msg = s.packed
+			if e.remote(src) {
+				msg = make([]byte, len(s.packed))
+			}
+			EncodeLogFMT(msg, out)
+		}
+		e.write(src, l.CombineSlot(h, me, t), msg)
 	}
 	e.signal(src, l.CombineFlags(h)+8*int64(me), flag(seq, 1))
 	return nil
@@ -276,7 +292,7 @@ func (e *Engine) combineRecv(a *CombineArgs, l Layout, h int, seq uint32) error 
 			a.WaitStats[src] += d.Nanoseconds()
 		}
 	}
-	acc := make([]float32, H)
+	acc, decoded := make([]float32, H), make([]uint16, H)
 	for t := range a.NumTokens {
 		clear(acc)
 		sel := a.TopkIdx[t*K : (t+1)*K]
@@ -298,6 +314,10 @@ func (e *Engine) combineRecv(a *CombineArgs, l Layout, h int, seq uint32) error 
 				continue
 			}
 			row := unsafe.Slice((*uint16)(at(base, l.CombineSlot(h, r, t))), H)
+			if a.LogFMT {
+				DecodeLogFMT(decoded, unsafe.Slice((*byte)(at(base, l.CombineSlot(h, r, t))), LogFMTBytes(H)))
+				row = decoded
+			}
 			if n > 1 {
 				for c, v := range row {
 					acc[c] += bf16ToF32(v)

@@ -43,7 +43,7 @@ class PyepError(RuntimeError):
 
 class NotAvailableError(PyepError, NotImplementedError):
     """A DeepEP method that pyep has, with DeepEP's signature, but cannot run yet (internode normal mode, low-latency
-    mode across nodes on cuda, LogFMT)."""
+    mode across nodes on cuda without NVSHMEM, MNNVL)."""
 
 
 def not_available(method: str, what: str, hint: str = "") -> NotAvailableError:

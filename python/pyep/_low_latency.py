@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from . import _core
 from ._ahead import _USE_COUNT, _USUAL, _capturing, _refcount
-from ._core import not_available
 from ._tensors import modes_on, without_modes
 from .utils import EventHandle, EventOverlap
 
@@ -360,7 +359,8 @@ class LowLatencyMixin:
                 selected (-1 for none); `num_combined_tokens` is the number of tokens dispatched.
             topk_weights: `[num_combined_tokens, num_topk]` with `torch.float`, the weight of each selected expert.
             handle: the handle of the matching `low_latency_dispatch`.
-            use_logfmt: whether rows travel in a 10-bit logarithmic format with a dynamic scale per 64 channels.
+            use_logfmt: whether rows travel in a 10-bit logarithmic format with a dynamic range per 128 channels
+                (LogFMT-10, docs/low-latency.md), not with `zero_copy`.
             zero_copy: whether `x` was already written into `get_next_low_latency_combine_buffer(handle)`.
             async_finish: whether to return an event instead of making the current stream wait.
             return_recv_hook: whether to only issue the sends and return a hook that receives. The send waits for no
@@ -385,7 +385,7 @@ class LowLatencyMixin:
         src_info, layout_range, M, H, E = handle if ok else (None, None, 0, 0, 0)
         T, K = topk_idx.shape if ok else (0, 0)
         ok = (ok and type(M) is int and type(H) is int and type(E) is int and M > 0 and H > 0 and E > 0
-              and E % R == 0 and H % 128 == 0 and not use_logfmt)
+              and E % R == 0 and H % 128 == 0 and not (use_logfmt and zero_copy))
         L, RM = (E // R, R * M) if ok else (0, 0)
         if not (ok and _ok_shaped(src_info, torch.int32, (L, RM), dev) and src_info is not None
                 and _ok_shaped(layout_range, torch.int64, (L, R), dev) and layout_range is not None
@@ -405,7 +405,8 @@ class LowLatencyMixin:
                                    lambda: torch.empty((T, H), dtype=torch.bfloat16, device=dev))
         try:
             seq = _core.go.LowLatencyCombine(
-                bid, M, H, E, T, K, bool(zero_copy), bool(return_recv_hook), 0 if zero_copy else _addr(x),
+                bid, M, H, E, T, K, bool(zero_copy), bool(return_recv_hook), bool(use_logfmt),
+                0 if zero_copy else _addr(x),
                 _addr(topk_idx), _addr(topk_weights), _addr(src_info), _addr(layout_range), _addr(out),
                 _addr(combine_wait_recv_cost_stats), stream)
         except RuntimeError as e:
@@ -426,8 +427,9 @@ class LowLatencyMixin:
         src_info, layout_range, M, H, E = self._ll_handle(handle)
         R = self.group_size
         L = E // R
-        if use_logfmt:
-            raise not_available("low_latency_combine", "use_logfmt=True (LogFMT rows)")
+        if use_logfmt and zero_copy:
+            raise ValueError("use_logfmt=True and zero_copy=True: a zero-copy combine sends bf16 rows (expected at "
+                             "most one of them, as DeepEP)")
         if zero_copy:
             if x is not None and not isinstance(x, torch.Tensor):
                 raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")

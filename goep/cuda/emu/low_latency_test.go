@@ -116,6 +116,7 @@ func refLL(t *testing.T, R int, numBytes int64, remote func(r int) []bool) []*lo
 type llCase struct {
 	R, T, H, K, E, M        int
 	fp8, round, ue8m0, hook bool
+	logfmt                  bool // the combine's rows in LogFMT-10
 	// perNode: ranks per (emulated) node, 0 for one node; noNVLink: every peer remote
 	// (allow_nvlink_for_low_latency_mode=False).
 	perNode  int
@@ -149,6 +150,9 @@ func (c llCase) String() string {
 	}
 	if c.clean {
 		s += "_clean"
+	}
+	if c.logfmt {
+		s += "_logfmt"
 	}
 	if c.skip > 0 {
 		s += fmt.Sprintf("_no_combine_in_round%d", c.skip-1)
@@ -227,6 +231,21 @@ func TestEmulatedLowLatency(t *testing.T) {
 		{R: 2, T: 6, H: 256, K: 3, E: 8, M: 8, fp8: true, skip: 2},
 		{R: 3, T: 5, H: 256, K: 2, E: 6, M: 6, hook: true, skip: 1},
 		{R: 2, T: 6, H: 128, K: 3, E: 264, M: 8, skip: 2},
+	} {
+		t.Run(c.String(), func(t *testing.T) { runLL(t, c) })
+	}
+}
+
+// LogFMT-10 rows (use_logfmt): the kernels' codec against the reference's, bit for bit, through
+// peers written directly, hooks, a half chunk at the end (640 channels: five groups), tokens that
+// select several experts of a rank (a partial sum crosses), and peers reached through puts.
+func TestEmulatedLowLatencyLogFMT(t *testing.T) {
+	for _, c := range []llCase{
+		{R: 2, T: 6, H: 256, K: 3, E: 8, M: 8, logfmt: true},
+		{R: 3, T: 5, H: 640, K: 4, E: 6, M: 6, fp8: true, hook: true, logfmt: true},
+		{R: 3, T: 6, H: 256, K: 8, E: 12, M: 8, routing: "packed", logfmt: true},
+		{R: 4, T: 5, H: 384, K: 3, E: 8, M: 6, perNode: 2, logfmt: true},
+		{R: 3, T: 6, H: 256, K: 4, E: 6, M: 8, hook: true, noNVLink: true, logfmt: true},
 	} {
 		t.Run(c.String(), func(t *testing.T) { runLL(t, c) })
 	}
@@ -403,7 +422,7 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 			}
 			outRef[r] = make([]uint16, T*c.H)
 			a := &lowlatency.CombineArgs{Shape: shape, NumTokens: T, NumTopk: c.K, X: rows, SrcInfo: refArgs[r].SrcInfo,
-				LayoutRange: refArgs[r].LayoutRange, TopkIdx: idx, TopkWeights: w, Out: outRef[r]}
+				LayoutRange: refArgs[r].LayoutRange, TopkIdx: idx, TopkWeights: w, Out: outRef[r], LogFMT: c.logfmt}
 			rv, err := ref[r].Combine(a)
 			if err != nil {
 				return err
@@ -423,7 +442,8 @@ func runLL(t *testing.T, c llCase, after ...func(gpu []*llRank, combine bool)) {
 			}
 			x := g.upload(t, dlpack.BF16, bytesOf(rows), int64(len(rows)))
 			calls[r] = &goep.LLCall{Shape: shape, NumTokens: T, NumTopk: c.K, X: addr(x), TopkIdx: addr(cidx),
-				TopkWeights: addr(da[r].w), SrcInfo: addr(da[r].src), LayoutRange: addr(da[r].rng), Out: addr(da[r].out), Hook: c.hook}
+				TopkWeights: addr(da[r].w), SrcInfo: addr(da[r].src), LayoutRange: addr(da[r].rng), Out: addr(da[r].out), Hook: c.hook,
+				LogFMT: c.logfmt}
 			return nil
 		}))
 		// Hooked, the send phases run one rank after another (the emulator runs a kernel when it is

@@ -283,7 +283,7 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 		kernel, def = cuda.KernelLLCombine, "PYEP_LL_COMBINE"
 	}
 	flags := int32(0)
-	for i, on := range []bool{c.UseFP8, c.RoundScale, c.UseUE8M0} {
+	for i, on := range []bool{c.UseFP8, c.RoundScale, c.UseUE8M0, c.LogFMT} {
 		if on {
 			flags |= 1 << i
 		}
@@ -299,7 +299,7 @@ func (e *Engine) Launch(combine bool, c *goep.LLCall) (goep.LLReceive, error) {
 	f, err := e.b.Kernel(key, func() map[string]string {
 		d := map[string]string{def: "", "PYEP_LL_HIDDEN": itoa(c.Shape.Hidden), "PYEP_LL_TOPK": itoa(c.NumTopk),
 			"PYEP_LL_FP8": b2s(c.UseFP8), "PYEP_LL_ROUND": b2s(c.RoundScale), "PYEP_LL_UE8M0": b2s(c.UseUE8M0),
-			"PYEP_LL_THREADS": itoa(opts.LowLatencyThreads)}
+			"PYEP_LL_THREADS": itoa(opts.LowLatencyThreads), "PYEP_LL_LOGFMT": b2s(c.LogFMT)}
 		if e.remote {
 			d[cuda.RemoteDefine] = ""
 		}
