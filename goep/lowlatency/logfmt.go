@@ -11,8 +11,7 @@ import "encoding/binary"
 //
 // In a group the magnitudes are bf16 bit patterns m = bits & 0x7fff, which grow with the value and
 // step by about 1/128 of an octave: bmax is the largest finite one (0 if none), bmin the smallest
-// non-zero finite one, raised to bmax - LogClip (32 octaves below bmax: what is smaller counts as
-// zero), D = bmax - bmin. A finite m in [bmin, bmax] gets code 1 + round((m - bmin) * 509 / D)
+// non-zero finite one, raised to bmax - LogClip (32 octaves below bmax), D = bmax - bmin. A finite m in [bmin, bmax] gets code 1 + round((m - bmin) * 509 / D)
 // (1 if D = 0), and decodes to bmin + round((code - 1) * D / 509): the same bf16 when D <= 509 (a
 // group within about 4 octaves travels exactly), else within D / 1018 + 1/2 steps of it (at most
 // 4.5 steps, 2-4% of the value, over the full 32 octaves). A value below bmin gets 1 within an
