@@ -351,15 +351,15 @@ func (b *Buffer) LowLatencyCombine(a *LLCombineArgs) (uint32, error) {
 	if a.NumExperts%R != 0 || a.NumExperts < 1 || H < 1 || a.MaxTokens < 1 || T < 0 || K < 1 {
 		return 0, Argf("low_latency_combine: num_experts = %d: expected a positive multiple of num_ranks = %d", a.NumExperts, R)
 	}
+	if a.ZeroCopy && a.LogFMT { // as DeepEP refuses it
+		return 0, Argf("low_latency_combine: zero_copy=True and use_logfmt=True: a zero-copy combine sends bf16 rows " +
+			"(expected at most one of them)")
+	}
 	L, RM := a.NumExperts/R, R*a.MaxTokens
 	if ll.device != nil {
 		shape := lowlatency.Shape{MaxTokens: a.MaxTokens, Hidden: H, NumExperts: a.NumExperts}
 		if err := checkDeviceCall(R, shape, T, K, false, false, false); err != nil {
 			return 0, err
-		}
-		if a.ZeroCopy && a.LogFMT {
-			return 0, Argf("low_latency_combine: zero_copy=True and use_logfmt=True: a zero-copy combine sends bf16 rows " +
-				"(expected at most one of them)")
 		}
 		return ll.launchDevice(true, &LLCall{Shape: shape, NumTokens: T, NumTopk: K, ZeroCopy: a.ZeroCopy, LogFMT: a.LogFMT, Hook: a.Hook,
 			X: a.X, TopkIdx: a.TopkIdx, TopkWeights: a.TopkWeights, SrcInfo: a.SrcInfo, LayoutRange: a.LayoutRange,

@@ -34,8 +34,6 @@ func (a *CombineArgs) check(R int) error {
 		return invalid("topk_weights: %d tokens, expected at most num_max_dispatch_tokens_per_rank = %d", T, M)
 	case K < 1 || K > MaxTopk:
 		return invalid("topk_idx: %d experts a token, expected 1 to %d", K, MaxTopk)
-	case a.ZeroCopy && a.LogFMT:
-		return invalid("zero_copy=True and use_logfmt=True: a zero-copy combine sends bf16 rows (expected at most one of them)")
 	case !a.ZeroCopy && len(a.X) < L*RM*H:
 		return invalid("x: %d elements, expected [%d, %d, %d]", len(a.X), L, RM, H)
 	case len(a.SrcInfo) < L*RM || len(a.LayoutRange) < L*R:

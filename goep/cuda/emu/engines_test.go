@@ -45,6 +45,11 @@ func TestBufferEngines(t *testing.T) {
 				return
 			}
 			require.NoError(t, err)
+			// A zero-copy combine sends bf16 rows: with use_logfmt it is refused before anything is queued.
+			_, err = bufs[0].LowLatencyCombine(&goep.LLCombineArgs{MaxTokens: 8, Hidden: 256, NumExperts: 8, NumTopk: 1,
+				ZeroCopy: true, LogFMT: true})
+			assert.EqualError(t, err, "low_latency_combine: zero_copy=True and use_logfmt=True: a zero-copy combine sends bf16 "+
+				"rows (expected at most one of them)")
 			// The mask is the device engine's word in rank 0's region.
 			require.NoError(t, bufs[0].LowLatencyMask("low_latency_update_mask_buffer", 1, true, 0))
 			require.NoError(t, query())
