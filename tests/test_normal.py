@@ -120,6 +120,17 @@ def host(value):
     return None if value is None else value.cpu()
 
 
+def check_layout(topk: torch.Tensor, E: int, R: int, per_rank, per_expert, in_rank) -> None:
+    """get_dispatch_layout's outputs against torch's reading of topk (experts split evenly over R ranks)."""
+    topk_h, epr, T = topk.cpu(), E // R, topk.size(0)
+    ref_in_rank = torch.stack([((topk_h >= r * epr) & (topk_h < (r + 1) * epr)).any(1) for r in range(R)], 1) if T \
+        else torch.zeros(0, R, dtype=torch.bool)
+    assert torch.equal(in_rank.cpu(), ref_in_rank)
+    assert torch.equal(per_rank.cpu(), ref_in_rank.sum(0).int())
+    assert torch.equal(per_expert.cpu(), torch.stack([(topk_h == e).any(1) for e in range(E)], 1).sum(0).int()
+                       if T else torch.zeros(E, dtype=torch.int32))
+
+
 def run_case(group, device, case: Case):
     me, R = group.rank(), group.size()
     config = pyep.Config(*case.config) if case.config else pyep.Buffer.get_dispatch_config(R)
@@ -133,13 +144,7 @@ def run_case(group, device, case: Case):
 
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
     assert per_rdma is None
-    topk_h = topk.cpu()
-    ref_in_rank = torch.stack([((topk_h >= r * case.experts_per_rank) & (topk_h < (r + 1) * case.experts_per_rank)).any(1)
-                               for r in range(R)], 1) if case.tokens else torch.zeros(0, R, dtype=torch.bool)
-    assert torch.equal(in_rank.cpu(), ref_in_rank)
-    assert torch.equal(per_rank.cpu(), ref_in_rank.sum(0).int())
-    assert torch.equal(per_expert.cpu(), torch.stack([(topk_h == e).any(1) for e in range(E)], 1).sum(0).int()
-                       if case.tokens else torch.zeros(E, dtype=torch.int32))
+    check_layout(topk, E, R, per_rank, per_expert, in_rank)
 
     ref_x, ref_scales, ref_topk, ref_w, ref_src, ref_counts = expected_receive(case, me, R)
     n = ref_x.size(0)
@@ -247,6 +252,26 @@ def good_call(group, device, buffer):
 def layout_dict(layout):
     per_rank, _, per_expert, in_rank, _ = layout
     return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset_8_bytes"])
+@pytest.mark.parametrize("topk_n", [6, 8, 9, 10])
+def test_layout_of_any_topk_width_and_alignment(group, device, topk_n, offset):
+    # The cuda kernel loads a token's choices two at a time when every row is 16-byte aligned (an even top-k and an
+    # aligned tensor) and one at a time otherwise: both, with choices past the first eight and dropped ones (-1).
+    R = group.size()
+    buffer = buffer_for(group, pyep.Buffer.get_dispatch_config(R), 256 * 2)
+    T, E = 1000, 12 * R
+    g = torch.Generator().manual_seed(topk_n * 10 + offset)
+    topk_h = torch.rand(T, E, generator=g).topk(topk_n, dim=1).indices
+    topk_h[::5, topk_n - 1] = -1
+    flat = torch.empty(offset + T * topk_n, dtype=torch.int64, device=device)
+    topk = flat[offset:].view(T, topk_n)
+    topk.copy_(topk_h)
+    assert topk.data_ptr() % 16 == 8 * offset
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
+    check_layout(topk, E, R, per_rank, per_expert, in_rank)
+    dist.barrier(group)
 
 
 def test_bad_input_raises_and_next_call_works(group, device):

@@ -27,7 +27,7 @@ type NormalOptions struct {
 	// own for the rank count (cudanormal.ShapeFor). PYEP_NORMAL_THREADS (a multiple of 32 up to
 	// 1024) and PYEP_COPY_UNROLL (1 to 16), read at start-up, set them.
 	Threads, Unroll int
-	// Block sizes of notify and layout; 0: 1024, 512.
+	// Block sizes of notify and layout; 0: 1024, 128 (a layout of 4096 tokens then runs on 32 SMs).
 	NotifyThreads, LayoutThreads int
 	// Low-latency mode's block size (0: 512) and blocks (0: one an SM, shared among the ranks on
 	// the GPU).
@@ -48,7 +48,7 @@ func (o NormalOptions) withDefaults() NormalOptions {
 		o.NotifyThreads = 1024
 	}
 	if o.LayoutThreads == 0 {
-		o.LayoutThreads = 512
+		o.LayoutThreads = 128
 	}
 	if o.LowLatencyThreads == 0 {
 		o.LowLatencyThreads = 512
