@@ -1,6 +1,7 @@
-"""Layout kernel variants (cubin/*.cubin, built by nvrtc_build.py) on one GPU, through the driver with ctypes:
-results checked against torch; timed back to back, DeepEP-harness style (events around each launch), and L2-flushed.
-Usage: layout_bench.py [bench|ncu] [R] [variants...]"""
+"""Layout kernel variants (cubin/*.cubin, built by nvrtc_build.py) on one GPU, through the driver with ctypes: results
+checked against torch's; timed with events around each launch, the device busy before it (warm: L2 holds topk) and
+after a 256 MB memset (flushed); HOWS picks the modes, default "warm flushed". The block size is the number that ends a
+variant's name (512 where none). Usage: layout_bench.py [bench|ncu] [R] [variants...] (ncu: five launches of each)"""
 import ctypes, os, statistics, sys
 import torch
 mode = sys.argv[1] if len(sys.argv) > 1 else "bench"
@@ -31,7 +32,8 @@ for n in names:
     funcs[n] = f
 launch = cu.cuLaunchKernel
 launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-blocks = {n: (256 if n.endswith("256") else 128 if n.endswith("128") else 512) for n in names}
+blocks = {n: int(n.rsplit("_", 1)[1]) if n.rsplit("_", 1)[-1].isdigit() else 512 for n in names}
+blocks.update({n: int(n[4:]) for n in names if n.startswith("head")})
 assert ctypes.sizeof(P) == 80
 per_rank = torch.zeros(R, dtype=torch.int32, device="cuda"); per_expert = torch.zeros(E, dtype=torch.int32, device="cuda")
 in_rank = torch.zeros(T, R, dtype=torch.bool, device="cuda"); work = torch.zeros(2, dtype=torch.int64, device="cuda")
@@ -65,7 +67,7 @@ def timed(n, how, iters=100):
     ss = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]; es = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):
         if how == "flushed": cache.zero_()
-        elif how == "warm": torch.cuda._sleep(20000)
+        elif how == "warm": torch.cuda._sleep(200000)
         elif how == "idle": torch.cuda.synchronize()
         ss[i].record(); run(n); es[i].record()
     torch.cuda.synchronize()
