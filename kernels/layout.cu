@@ -8,17 +8,17 @@
 // that the dispatch after the layout fails on every rank (see NotifyParams.layout_rec).
 //
 // One pass, a token a thread, in blocks of 128 (4096 tokens on 32 SMs: 512 took 8.0 µs in ncu, 128
-// with the two below 6.3): every thread loads its token's K indices at once (one memory latency, not
-// one a choice; two a load where the rows allow it), writes the token's row of is_token_in_rank
+// with the two below 6.3): every thread loads its token's K indices at once (one memory latency,
+// not one a choice; two a load where the rows allow it), writes the token's row of is_token_in_rank
 // and counts its ranks and experts in shared memory (with shared-memory atomics: count_tokens is
-// compiled apart for that case, where the pointers would otherwise be generic). Block 0 zeroes the two count outputs and then lets the other blocks
-// in (pyep_layout_work.gate); every block adds its counts to the outputs, and the kernel's end is
-// the sums' end: no block waits for another to finish and no last block sums them, which cost a
-// fence, a ticket and an exchange of the sums, about 2.9 of the 9 µs of the kernel it replaced
-// (docs/performance-history.md). A block waits only for block 0, which waits for nothing, so
-// the kernel needs no two of its blocks resident at once (ranks sharing a GPU under MPS).
-// More experts than kSharedExperts, or ranks than kMaskRanks, are counted in the outputs directly,
-// once block 0 has zeroed them.
+// compiled apart for that case, where the pointers would otherwise be generic). Block 0 zeroes the
+// two count outputs and then lets the other blocks in (pyep_layout_work.gate); every block adds its
+// counts to the outputs, and the kernel's end is the sums' end: no block waits for another to
+// finish and no last block sums them, which cost a fence, a ticket and an exchange of the sums,
+// about 2.9 of the 9 µs of the kernel it replaced (docs/performance-history.md). A block waits only
+// for block 0, which waits for nothing, so the kernel needs no two of its blocks resident at once
+// (ranks sharing a GPU under MPS). More experts than kSharedExperts, or ranks than kMaskRanks, are
+// counted in the outputs directly, once block 0 has zeroed them.
 //
 // pyep:defines PYEP_LAYOUT_THREADS=128
 // pyep:defines PYEP_LAYOUT_THREADS=512 PYEP_LAYOUT_SHARED_EXPERTS=64
@@ -62,6 +62,11 @@ PYEP_DEVICE void write_row(u8* out, i32 R, u64 mask) {
     for (i32 r = 0; r < R; r++) out[r] = static_cast<u8>(mask >> r & 1u);
 }
 
+// The i64 whose low and high 32-bit words are lo and hi (as they lie in memory).
+PYEP_DEVICE i64 of_words(int lo, int hi) {
+    return static_cast<i64>(static_cast<u64>(static_cast<u32>(lo)) | static_cast<u64>(static_cast<u32>(hi)) << 32);
+}
+
 // A token's choices k0 .. k0 + kStagedTopk - 1 (-1 past K), all loaded before any is used; two a
 // load where every row allows it (K even, topk 16-byte aligned).
 PYEP_DEVICE void load_choices(const i64* row, i32 k0, i32 K, bool pairs, i64 (&e)[kStagedTopk]) {
@@ -71,8 +76,7 @@ PYEP_DEVICE void load_choices(const i64* row, i32 k0, i32 K, bool pairs, i64 (&e
             e[j] = e[j + 1] = -1;
             if (k0 + j < K) {
                 const int4 v = ld_nc(reinterpret_cast<const int4*>(row + k0 + j));
-                e[j] = static_cast<i64>(static_cast<u64>(static_cast<u32>(v.x)) | static_cast<u64>(static_cast<u32>(v.y)) << 32);
-                e[j + 1] = static_cast<i64>(static_cast<u64>(static_cast<u32>(v.z)) | static_cast<u64>(static_cast<u32>(v.w)) << 32);
+                e[j] = of_words(v.x, v.y), e[j + 1] = of_words(v.z, v.w);
             }
         }
         return;
@@ -193,10 +197,9 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1) pyep_layout(cons
     const i64 stride = static_cast<i64>(gridDim.x) * kLayoutThreads;
     const bool pairs = (K & 1) == 0 && (reinterpret_cast<u64>(topk) & 15) == 0;
     i64 bad = kNoBad;
-    if (!open) {
-    } else if (!direct) {
+    if (open && !direct) {
         count_tokens<true>(p, own, stride, pairs, s_expert, s_rank, bad);
-    } else {
+    } else if (open) {
         count_tokens<false>(p, own, stride, pairs, shared_experts ? s_expert : per_expert,
                             mask_ranks ? s_rank : per_rank, bad);
     }

@@ -16,13 +16,13 @@ import (
 )
 
 // The layout kernel against goep/normal's layout over shapes that take each of its paths: no
-// tokens, several blocks (the emulator's blocks are 64 threads), more choices than it loads at
-// once (an odd number, and an even one loaded two at a time), rows written four bytes at a time
-// and one at a time, more ranks than a token's rank mask holds, more experts than its shared
-// counts hold, an even K whose rows are 8- but not 16-byte aligned (loaded one at a time). Each shape runs twice on one engine, the second
-// time into outputs that start as garbage: every layout must leave its gate closed for the next
-// and write every output. With PYEP_EMU_RESIDENT_BLOCKS=1 too: the blocks, one at a time, need
-// none of the others to run at once (they wait only for block 0).
+// tokens, several blocks (the emulator's blocks are 64 threads), more choices than it loads at once
+// (an odd number, and an even one loaded two at a time), rows written four bytes at a time and one
+// at a time, more ranks than a token's rank mask holds, more experts than its shared counts hold,
+// an even K whose rows are 8- but not 16-byte aligned (loaded one at a time). Each shape runs twice
+// on one engine, the second time into outputs that start as garbage: every layout must leave its
+// gate closed for the next and write every output. With PYEP_EMU_RESIDENT_BLOCKS=1 too: the blocks,
+// one at a time, need none of the others to run at once (they wait only for block 0).
 func TestEmulatedLayoutShapes(t *testing.T) {
 	t.Run("all_resident", func(t *testing.T) { layoutShapes(t) })
 	t.Run("resident_1", func(t *testing.T) {
